@@ -1,0 +1,243 @@
+"""Process-group setup from torchrun's environment, and the small helpers around it.
+
+``torchrun`` starts one process per device and tells each who it is through environment
+variables: ``RANK`` (global id), ``LOCAL_RANK`` (id on this node, picks the GPU),
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (where rank 0's
+rendezvous store listens). :func:`setup` reads them, checks them, picks the backend and the
+device, and joins the process group. Run without torchrun, it returns a one-process
+environment so that the same script also runs as plain ``python``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ddp_lab.errors import UsageError
+
+#: The variables torchrun sets for every worker; all or none must be present.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+#: Default process-group timeout in seconds (the seeds' 1800 s, torch's own default too).
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this process is in the job.
+
+    Attributes:
+        rank: global rank, 0 .. world_size - 1.
+        local_rank: rank on this node; selects the GPU.
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        backend: ``"nccl"``, ``"gloo"`` or ``"none"`` (single process, no process group).
+        device: the device this process computes on.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    backend: str = "none"
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is initialised (started by torchrun)."""
+        return self.backend != "none"
+
+    @property
+    def is_rank0(self) -> bool:
+        """True on the process that logs and saves."""
+        return self.rank == 0
+
+
+def torchrun_env(environ: dict[str, str] | None = None) -> dict[str, int] | None:
+    """Read torchrun's variables, or ``None`` when the process was not started by torchrun.
+
+    Args:
+        environ: the environment to read (``os.environ`` by default).
+
+    Returns:
+        ``{"rank", "local_rank", "world_size", "local_world_size"}`` as integers, or ``None``.
+
+    Raises:
+        UsageError: when only some of the variables are set, or they are not integers or
+            not consistent (e.g. ``RANK >= WORLD_SIZE``).
+
+    Example:
+        >>> torchrun_env({}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    present = [v for v in TORCHRUN_VARS if v in environ]
+    if not present:
+        return None
+    missing = [v for v in TORCHRUN_VARS if v not in environ]
+    if missing:
+        raise UsageError(
+            f"torchrun environment is incomplete: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing; start the script with `torchrun ...`, or unset "
+            f"{', '.join(present)} to run as a single process"
+        )
+    try:
+        rank = int(environ["RANK"])
+        local_rank = int(environ["LOCAL_RANK"])
+        world_size = int(environ["WORLD_SIZE"])
+        local_world_size = int(environ.get("LOCAL_WORLD_SIZE", world_size))
+        int(environ["MASTER_PORT"])
+    except ValueError as err:
+        raise UsageError(
+            f"torchrun environment is malformed ({err}); RANK, LOCAL_RANK, WORLD_SIZE and "
+            "MASTER_PORT must be integers: start the script with `torchrun ...`"
+        ) from None
+    if not (0 <= rank < world_size) or not (0 <= local_rank < local_world_size):
+        raise UsageError(
+            f"torchrun environment is inconsistent (RANK={rank}, WORLD_SIZE={world_size}, "
+            f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size}); start the "
+            "script with `torchrun ...` instead of setting these by hand"
+        )
+    return {
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world_size,
+        "local_world_size": local_world_size,
+    }
+
+
+def resolve_backend(requested: str, local_world_size: int) -> str:
+    """Pick the collective backend and check that this machine can run it.
+
+    Args:
+        requested: ``"auto"``, ``"nccl"`` or ``"gloo"``.
+        local_world_size: processes on this node (each NCCL process needs its own GPU).
+
+    Returns:
+        ``"nccl"`` or ``"gloo"``.
+
+    Raises:
+        UsageError: NCCL asked for without a GPU, or more local processes than GPUs.
+
+    Example:
+        >>> resolve_backend("gloo", 2)
+        'gloo'
+    """
+    if requested not in ("auto", "nccl", "gloo"):
+        raise UsageError(f"unknown backend {requested!r}; use auto, nccl or gloo")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = requested if requested != "auto" else ("nccl" if gpus > 0 else "gloo")
+    if backend == "nccl":
+        if gpus == 0:
+            raise UsageError(
+                "--backend nccl needs CUDA GPUs but none is visible; use --backend gloo "
+                "(or auto) to train on the CPU"
+            )
+        if local_world_size > gpus:
+            raise UsageError(
+                f"{local_world_size} processes on this node but only {gpus} GPU(s); use "
+                f"--nproc_per_node={gpus} (one process per GPU), or --backend gloo for CPU"
+            )
+    return backend
+
+
+def setup(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, quiet: bool = False) -> DistEnv:
+    """Join the process group that torchrun prepared, or describe a single process.
+
+    Args:
+        backend: ``"auto"`` (NCCL when CUDA is there, gloo otherwise), ``"nccl"`` or ``"gloo"``.
+        timeout_s: how long a collective may wait before the job fails instead of hanging.
+        quiet: do not print the one-line "single process" notice.
+
+    Returns:
+        The :class:`DistEnv` of this process. With NCCL the current CUDA device is set to
+        ``cuda:LOCAL_RANK``.
+
+    Raises:
+        UsageError: on a half-set torchrun environment, NCCL without GPUs, or more local
+            processes than GPUs.
+
+    Example:
+        >>> env = setup(quiet=True)   # plain `python`, not torchrun
+        >>> env.world_size, env.distributed
+        (1, False)
+    """
+    if timeout_s <= 0:
+        raise UsageError(f"--pg-timeout must be positive, got {timeout_s}")
+    info = torchrun_env()
+    if info is None:
+        resolve_backend(backend, 1)  # still refuse nccl without a GPU
+        device = torch.device("cuda", 0) if _wants_cuda(backend) else torch.device("cpu")
+        if not quiet:
+            print(
+                f"ddp_lab: not started by torchrun; running as a single process "
+                f"(world size 1) on {device}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return DistEnv(device=device)
+
+    chosen = resolve_backend(backend, info["local_world_size"])
+    if chosen == "nccl":
+        device = torch.device("cuda", info["local_rank"])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=chosen, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    return DistEnv(backend=chosen, device=device, **info)
+
+
+def _wants_cuda(backend: str) -> bool:
+    return backend in ("auto", "nccl") and torch.cuda.is_available()
+
+
+def teardown() -> None:
+    """Leave the process group (a no-op when there is none). Call it once, at the end."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, env: DistEnv | None = None, **kwargs) -> None:
+    """``print`` on rank 0 only, so that N processes do not print N copies.
+
+    Args:
+        *args: what to print.
+        env: the process's :class:`DistEnv`; read from the process group when omitted.
+        **kwargs: passed to :func:`print` (``flush`` defaults to True).
+
+    Example:
+        >>> print0("epoch 1 done")
+        epoch 1 done
+    """
+    rank = env.rank if env is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    if rank == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum numbers over all ranks (float64 on the process's device; identity on one process).
+
+    Args:
+        values: numbers to sum element-wise across ranks.
+        env: the process's :class:`DistEnv`.
+
+    Returns:
+        A float64 tensor with the global sums, on the CPU.
+
+    Example:
+        >>> all_reduce_sum([1.0, 2.0], DistEnv()).tolist()
+        [1.0, 2.0]
+    """
+    t = torch.as_tensor(values, dtype=torch.float64).clone().to(env.device)
+    if env.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()

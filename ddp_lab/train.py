@@ -1,0 +1,400 @@
+"""The course trainer: one readable loop where every distributed concern is a line.
+
+Run it on every GPU of a node, on CPU processes, or as one plain process::
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_lab.train --model mlp --epochs 1
+    python -m ddp_lab.train --model mlp --epochs 1        # one process, says so on start
+
+Outputs land in ``--out``: ``summary.json`` (final loss, accuracy, steps, world size,
+samples/s, seconds), ``metrics.jsonl`` (one record per optimizer step, from rank 0) and
+``model.pt`` (the final state dict of the unwrapped model). ``--help`` lists every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lab import data as data_mod
+from ddp_lab.dist import DEFAULT_TIMEOUT_S, DistEnv, all_reduce_sum, print0, setup, teardown
+from ddp_lab.errors import UsageError, exit_on_usage_error
+from ddp_lab.models import MODELS, build_model, has_batchnorm
+
+PROG = "ddp_lab.train"
+
+#: Flags whose feature arrives with a later lab; given, they stop the run with a clear line.
+NOT_YET = {
+    "ckpt_dir": "--ckpt-dir (checkpoints arrive with lab06)",
+    "ckpt_every": "--ckpt-every (checkpoints arrive with lab06)",
+    "keep_last": "--keep-last (checkpoints arrive with lab06)",
+    "resume": "--resume (elastic restarts arrive with lab06)",
+    "rollback_drop": "--rollback-drop (rollback arrives with lab06)",
+    "fail_at_step": "--fail-at-step (fault injection arrives with lab06)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's command line. ``allow_abbrev=False``: only whole flag names count."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a model with DistributedDataParallel (under torchrun) or in one "
+        "process (plain python). --batch-size is per process: the global batch is "
+        "batch-size x processes x accum-steps.",
+    )
+    d = p.add_argument_group("data")
+    d.add_argument("--dataset", choices=["synthetic", "cifar10"], default="synthetic",
+                   help="synthetic: generated, CIFAR-shaped, no download; cifar10: from "
+                   "--data-dir, downloaded when missing and online")
+    d.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
+    d.add_argument("--train-size", type=int, default=10_000,
+                   help="synthetic training samples")
+    d.add_argument("--test-size", type=int, default=2_000, help="synthetic test samples")
+    d.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader workers per process (default: 4 on CUDA, 0 on CPU)")
+
+    o = p.add_argument_group("model and optimisation")
+    o.add_argument("--model", choices=MODELS, default="mlp")
+    o.add_argument("--epochs", type=int, default=1)
+    o.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps in total")
+    o.add_argument("--batch-size", type=int, default=32, help="samples per step per process")
+    o.add_argument("--lr", type=float, default=0.05, help="learning rate actually used")
+    o.add_argument("--scale-lr", action="store_true",
+                   help="linear scaling rule: use lr x processes x accum-steps")
+    o.add_argument("--momentum", type=float, default=0.9)
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--seed", type=int, default=0,
+                   help="seeds weights and shuffling; same seed and flags, same model.pt")
+    o.add_argument("--sync-bn", action="store_true",
+                   help="synchronise BatchNorm statistics across processes")
+    o.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="mixed precision: bf16 autocast (CPU or GPU), fp16 + GradScaler (CUDA)")
+    o.add_argument("--accum-steps", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation)")
+    o.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip the global gradient norm to this value (the seeds use 1.0)")
+
+    c = p.add_argument_group("checkpoints and faults")
+    c.add_argument("--ckpt-dir", default=None, help="where checkpoints are written")
+    c.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps")
+    c.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep")
+    c.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
+    c.add_argument("--rollback-drop", type=float, default=None,
+                   help="restore the best checkpoint when accuracy drops by more than this")
+    c.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: one rank raises once at this global step")
+
+    r = p.add_argument_group("runtime and outputs")
+    r.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: nccl when CUDA GPUs are visible, gloo otherwise")
+    r.add_argument("--pg-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a collective may wait before the job fails (not hangs)")
+    r.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="write TensorBoard scalars to DIR (rank 0)")
+    r.add_argument("--out", default="runs/train",
+                   help="folder for summary.json, metrics.jsonl and model.pt")
+    r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    r.add_argument("--dry-run", action="store_true",
+                   help="check the flags and the environment, print the configuration, exit")
+    return p
+
+
+@dataclass
+class Config:
+    """The trainer's options (the parsed command line)."""
+
+    dataset: str
+    data_dir: str
+    train_size: int
+    test_size: int
+    num_workers: int | None
+    model: str
+    epochs: int
+    max_steps: int | None
+    batch_size: int
+    lr: float
+    scale_lr: bool
+    momentum: float
+    weight_decay: float
+    seed: int
+    sync_bn: bool
+    amp: str
+    accum_steps: int
+    clip_grad_norm: float | None
+    ckpt_dir: str | None
+    ckpt_every: int | None
+    keep_last: int | None
+    resume: bool
+    rollback_drop: float | None
+    fail_at_step: int | None
+    backend: str
+    pg_timeout: float
+    tensorboard: str | None
+    out: str
+    no_progress: bool
+    dry_run: bool
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse and validate the command line.
+
+    Raises:
+        UsageError: a value out of range, or a flag whose feature is not available yet.
+    """
+    cfg = Config(**vars(build_parser().parse_args(argv)))
+    for name, what in NOT_YET.items():
+        value = getattr(cfg, name)
+        if value not in (None, False):
+            raise UsageError(f"{what} is not available yet in this version of ddp_lab")
+    positive = {"--epochs": cfg.epochs, "--batch-size": cfg.batch_size,
+                "--accum-steps": cfg.accum_steps, "--train-size": cfg.train_size,
+                "--test-size": cfg.test_size}
+    if cfg.max_steps is not None:
+        positive["--max-steps"] = cfg.max_steps
+    for flag, value in positive.items():
+        if value <= 0:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise UsageError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
+        raise UsageError(f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}")
+    if cfg.num_workers is not None and cfg.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0, got {cfg.num_workers}")
+    return cfg
+
+
+def check_environment(cfg: Config, env: DistEnv) -> None:
+    """Refuse combinations this machine cannot run, with the fix in the message."""
+    if cfg.amp == "fp16" and env.device.type != "cuda":
+        raise UsageError("--amp fp16 needs a CUDA GPU (GradScaler); use --amp bf16 on the CPU")
+    if cfg.sync_bn and env.device.type != "cuda":
+        raise UsageError(
+            "--sync-bn on the CPU needs ddp_lab's own SyncBatchNorm, which is not available "
+            "yet (it arrives with lab04); nn.SyncBatchNorm runs only on CUDA GPUs"
+        )
+
+
+def wrap_model(model: torch.nn.Module, cfg: Config, env: DistEnv) -> torch.nn.Module:
+    """Move the model to its device, convert BatchNorm when asked, and wrap it in DDP."""
+    if cfg.sync_bn and has_batchnorm(model):
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(env.device)
+    if env.distributed:
+        device_ids = [env.local_rank] if env.device.type == "cuda" else None
+        model = DDP(model, device_ids=device_ids)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def sync_buffers(model: torch.nn.Module, env: DistEnv) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP does."""
+    if env.distributed:
+        for buf in unwrap(model).buffers():
+            dist.broadcast(buf, src=0)
+
+
+def save_atomic(obj, path: str) -> None:
+    """``torch.save`` to a temporary file, then rename: a crash never leaves half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _autocast(cfg: Config, env: DistEnv):
+    if cfg.amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float16
+    return torch.autocast(device_type=env.device.type, dtype=dtype)
+
+
+def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+
+def _progress(total: int, env: DistEnv, cfg: Config):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True,
+                disable=not env.is_rank0 or cfg.no_progress, file=sys.stderr)
+
+
+def train(cfg: Config, env: DistEnv) -> dict:
+    """Train as ``cfg`` says on the process group ``env``; rank 0 writes the outputs.
+
+    Returns:
+        The summary dict (also written to ``cfg.out/summary.json`` by rank 0).
+    """
+    torch.manual_seed(cfg.seed)
+
+    # Data: rank 0 first, so that only one process downloads.
+    if env.distributed and not env.is_rank0:
+        dist.barrier()
+    train_set, test_set = data_mod.make_datasets(
+        cfg.dataset, cfg.data_dir, cfg.train_size, cfg.test_size
+    )
+    if env.distributed and env.is_rank0:
+        dist.barrier()
+    workers = cfg.num_workers if cfg.num_workers is not None else (
+        4 if env.device.type == "cuda" else 0)
+    micro_batches, sampler = data_mod.make_train_loader(
+        train_set, cfg.batch_size, env, seed=cfg.seed, num_workers=workers
+    )
+    steps_per_epoch = len(micro_batches) // cfg.accum_steps
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"one epoch has {len(micro_batches)} micro-batches per process, fewer than "
+            f"--accum-steps {cfg.accum_steps}; lower --accum-steps or --batch-size"
+        )
+    total_steps = steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    # Model: same seed on every rank; DDP also broadcasts rank 0's weights at wrap time.
+    model = wrap_model(build_model(cfg.model), cfg, env)
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = cfg.lr * (env.world_size * cfg.accum_steps if cfg.scale_lr else 1)
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay)
+    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
+    global_batch = cfg.batch_size * env.world_size * cfg.accum_steps
+
+    os.makedirs(cfg.out, exist_ok=True) if env.is_rank0 else None
+    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "w") if env.is_rank0 else None
+    writer = None
+    if cfg.tensorboard and env.is_rank0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(cfg.tensorboard)
+    print0(
+        f"{PROG}: {env.world_size} process(es), backend {env.backend}, device "
+        f"{env.device.type}; model {cfg.model}, dataset {cfg.dataset} ({len(train_set)} "
+        f"train / {len(test_set)} test); {total_steps} steps of global batch {global_batch}, "
+        f"lr {lr:g}", env=env, file=sys.stderr,
+    )
+
+    step, last_loss, evals = 0, float("nan"), []
+    t_start = time.perf_counter()
+    t_timed = None  # throughput is measured from the end of the first step (warm-up)
+    bar = _progress(total_steps, env, cfg)
+    for epoch in range(cfg.epochs):
+        if step >= total_steps:
+            break
+        sampler.set_epoch(epoch)  # without it every epoch repeats the same order
+        batches = iter(micro_batches)
+        for _ in range(steps_per_epoch):
+            if step >= total_steps:
+                break
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=env.device)
+            for micro in range(cfg.accum_steps):
+                x, y = next(batches)
+                x = x.to(env.device, non_blocking=True)
+                y = y.to(env.device, non_blocking=True)
+                # Gradients are all-reduced only on the last micro-step of the group.
+                last_micro = micro == cfg.accum_steps - 1
+                sync = contextlib.nullcontext() if last_micro or not env.distributed else (
+                    model.no_sync())
+                with sync:
+                    with _autocast(cfg, env):
+                        loss = torch.nn.functional.cross_entropy(model(x), y)
+                    scaler.scale(loss / cfg.accum_steps).backward()
+                loss_sum += loss.detach().float()
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            if cfg.clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
+            else:
+                grad_norm = _grad_norm(params)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            mean_loss = all_reduce_sum([loss_sum.item() / cfg.accum_steps], env).item()
+            mean_loss /= env.world_size
+            dt = time.perf_counter() - t0
+            if step == 1:
+                t_timed = time.perf_counter()
+            last_loss = mean_loss
+            if env.is_rank0:
+                record = {"step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
+                          "grad_norm": float(grad_norm), "samples_per_s": global_batch / dt}
+                metrics.write(json.dumps(record) + "\n")
+                if writer is not None:
+                    for key in ("loss", "lr", "grad_norm", "samples_per_s"):
+                        writer.add_scalar(f"train/{key}", record[key], step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{mean_loss:.3f}", refresh=False)
+        sync_buffers(model, env)
+        ev = data_mod.evaluate(unwrap(model), test_set, env)
+        evals.append({"epoch": epoch, "step": step, **ev})
+        if writer is not None:
+            writer.add_scalar("eval/accuracy", ev["accuracy"], step)
+        print0(f"epoch {epoch}: step {step}, test accuracy {ev['accuracy']:.4f}, "
+               f"test loss {ev['loss']:.4f}", env=env, file=sys.stderr)
+    bar.close()
+    seconds = time.perf_counter() - t_start
+    timed = time.perf_counter() - t_timed if t_timed is not None else float("nan")
+    summary = {
+        "final_loss": last_loss,
+        "accuracy": evals[-1]["accuracy"],
+        "test_loss": evals[-1]["loss"],
+        "steps": step,
+        "epochs": len(evals),
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": env.device.type,
+        "samples_per_s": (step - 1) * global_batch / timed if step > 1 else float("nan"),
+        "seconds": seconds,
+        "global_batch": global_batch,
+        "lr": lr,
+        "evals": evals,
+        "config": asdict(cfg),
+    }
+    if env.is_rank0:
+        save_atomic(unwrap(model).state_dict(), os.path.join(cfg.out, "model.pt"))
+        with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        metrics.close()
+        if writer is not None:
+            writer.close()
+        print0(f"{PROG}: done in {seconds:.1f} s, {summary['samples_per_s']:.0f} samples/s; "
+               f"results in {cfg.out}/", env=env, file=sys.stderr)
+    return summary
+
+
+@exit_on_usage_error(PROG)
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m ddp_lab.train`` and of torchrun's ``-m ddp_lab.train``."""
+    cfg = parse_args(argv)
+    env = setup(cfg.backend, cfg.pg_timeout)
+    try:
+        check_environment(cfg, env)
+        if cfg.dry_run:
+            print0(json.dumps({"config": asdict(cfg), "world_size": env.world_size,
+                               "backend": env.backend, "device": str(env.device)}), env=env)
+            return 0
+        train(cfg, env)
+    finally:
+        teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
