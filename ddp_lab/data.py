@@ -28,9 +28,7 @@ IMAGE_SHAPE = (3, 32, 32)
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 CIFAR10_FOLDER = "cifar-10-batches-py"
-CIFAR10_FILES = (
-    [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
-)
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
 
 
 class SyntheticCIFAR(Dataset):
@@ -63,9 +61,13 @@ class SyntheticCIFAR(Dataset):
         self.size, self.split, self.seed = size, split, seed
         g = torch.Generator().manual_seed(seed)
         coarse = torch.randn(NUM_CLASSES, 3, 8, 8, generator=g)
-        self.prototypes = signal * torch.nn.functional.interpolate(
-            coarse, size=IMAGE_SHAPE[1:], mode="bilinear", align_corners=False
-        ) / coarse.std()
+        self.prototypes = (
+            signal
+            * torch.nn.functional.interpolate(
+                coarse, size=IMAGE_SHAPE[1:], mode="bilinear", align_corners=False
+            )
+            / coarse.std()
+        )
         self._offset = 0 if split == "train" else 1_000_003
         labels = torch.Generator().manual_seed(seed * 7919 + self._offset + 1)
         self.targets = torch.randint(0, NUM_CLASSES, (size,), generator=labels)
@@ -224,7 +226,11 @@ def make_train_loader(
     if batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
     sampler = DistributedSampler(
-        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed,
+        dataset,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        shuffle=True,
+        seed=seed,
         drop_last=True,
     )
     if len(sampler) < batch_size:
@@ -294,3 +300,30 @@ def evaluate(
     model.train(was_training)
     c, n, s = all_reduce_sum([correct, total, loss_sum], env).tolist()
     return {"accuracy": c / n, "loss": s / n, "samples": int(n)}
+
+
+def choose_dataset(data_dir: str = "data", allow_download: bool = True) -> tuple[str, str]:
+    """Pick CIFAR-10 when it is there (or downloadable), the synthetic set otherwise.
+
+    Used by ``make lab3`` and the notebooks, which must say which data they train on and
+    why. (The trainer itself never switches: ``--dataset cifar10`` without the files fails.)
+
+    Returns:
+        ``(name, reason)``, e.g. ``("synthetic", "CIFAR-10 is not in 'data' and ...")``.
+
+    Example:
+        >>> choose_dataset("/nonexistent", allow_download=False)[0]
+        'synthetic'
+    """
+    if cifar10_present(data_dir):
+        return "cifar10", f"CIFAR-10 found in {data_dir!r}"
+    if allow_download:
+        try:
+            download_cifar10(data_dir)
+            return "cifar10", f"CIFAR-10 downloaded into {data_dir!r}"
+        except UsageError:
+            pass
+    return "synthetic", (
+        f"CIFAR-10 is not in {data_dir!r} and could not be downloaded (offline?); using the "
+        "generated CIFAR-shaped set instead"
+    )

@@ -146,7 +146,9 @@ def resolve_backend(requested: str, local_world_size: int) -> str:
     return backend
 
 
-def setup(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, quiet: bool = False) -> DistEnv:
+def setup(
+    backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, quiet: bool = False
+) -> DistEnv:
     """Join the process group that torchrun prepared, or describe a single process.
 
     Args:
@@ -189,9 +191,7 @@ def setup(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, quiet: bo
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=chosen, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(backend=chosen, device=device, **info)
 
 

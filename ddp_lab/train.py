@@ -29,6 +29,7 @@ from ddp_lab import data as data_mod
 from ddp_lab.dist import DEFAULT_TIMEOUT_S, DistEnv, all_reduce_sum, print0, setup, teardown
 from ddp_lab.errors import UsageError, exit_on_usage_error
 from ddp_lab.models import MODELS, build_model, has_batchnorm
+from ddp_lab.syncbn import convert_sync_batchnorm_auto
 
 PROG = "ddp_lab.train"
 
@@ -54,60 +55,115 @@ def build_parser() -> argparse.ArgumentParser:
         "batch-size x processes x accum-steps.",
     )
     d = p.add_argument_group("data")
-    d.add_argument("--dataset", choices=["synthetic", "cifar10"], default="synthetic",
-                   help="synthetic: generated, CIFAR-shaped, no download; cifar10: from "
-                   "--data-dir, downloaded when missing and online")
+    d.add_argument(
+        "--dataset",
+        choices=["synthetic", "cifar10"],
+        default="synthetic",
+        help="synthetic: generated, CIFAR-shaped, no download; cifar10: from "
+        "--data-dir, downloaded when missing and online",
+    )
     d.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
-    d.add_argument("--train-size", type=int, default=10_000,
-                   help="synthetic training samples")
+    d.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
     d.add_argument("--test-size", type=int, default=2_000, help="synthetic test samples")
-    d.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader workers per process (default: 4 on CUDA, 0 on CPU)")
+    d.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per process (default: 4 on CUDA, 0 on CPU)",
+    )
 
     o = p.add_argument_group("model and optimisation")
     o.add_argument("--model", choices=MODELS, default="mlp")
     o.add_argument("--epochs", type=int, default=1)
-    o.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many optimizer steps in total")
+    o.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps in total"
+    )
     o.add_argument("--batch-size", type=int, default=32, help="samples per step per process")
     o.add_argument("--lr", type=float, default=0.05, help="learning rate actually used")
-    o.add_argument("--scale-lr", action="store_true",
-                   help="linear scaling rule: use lr x processes x accum-steps")
+    o.add_argument(
+        "--scale-lr",
+        action="store_true",
+        help="linear scaling rule: use lr x processes x accum-steps",
+    )
     o.add_argument("--momentum", type=float, default=0.9)
     o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument("--seed", type=int, default=0,
-                   help="seeds weights and shuffling; same seed and flags, same model.pt")
-    o.add_argument("--sync-bn", action="store_true",
-                   help="synchronise BatchNorm statistics across processes")
-    o.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
-                   help="mixed precision: bf16 autocast (CPU or GPU), fp16 + GradScaler (CUDA)")
-    o.add_argument("--accum-steps", type=int, default=1,
-                   help="micro-batches per optimizer step (gradient accumulation)")
-    o.add_argument("--clip-grad-norm", type=float, default=None,
-                   help="clip the global gradient norm to this value (the seeds use 1.0)")
+    o.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds weights and shuffling; same seed and flags, same model.pt",
+    )
+    o.add_argument(
+        "--sync-bn",
+        action="store_true",
+        help="synchronise BatchNorm statistics across processes (nn.SyncBatchNorm "
+        "on CUDA, ddp_lab.syncbn on the CPU)",
+    )
+    o.add_argument(
+        "--amp",
+        choices=["off", "bf16", "fp16"],
+        default="off",
+        help="mixed precision: bf16 autocast (CPU or GPU), fp16 + GradScaler (CUDA)",
+    )
+    o.add_argument(
+        "--accum-steps",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation)",
+    )
+    o.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        help="clip the global gradient norm to this value (the seeds use 1.0)",
+    )
 
     c = p.add_argument_group("checkpoints and faults")
     c.add_argument("--ckpt-dir", default=None, help="where checkpoints are written")
     c.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps")
     c.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep")
     c.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
-    c.add_argument("--rollback-drop", type=float, default=None,
-                   help="restore the best checkpoint when accuracy drops by more than this")
-    c.add_argument("--fail-at-step", type=int, default=None,
-                   help="fault injection: one rank raises once at this global step")
+    c.add_argument(
+        "--rollback-drop",
+        type=float,
+        default=None,
+        help="restore the best checkpoint when accuracy drops by more than this",
+    )
+    c.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=None,
+        help="fault injection: one rank raises once at this global step",
+    )
 
     r = p.add_argument_group("runtime and outputs")
-    r.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: nccl when CUDA GPUs are visible, gloo otherwise")
-    r.add_argument("--pg-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="seconds a collective may wait before the job fails (not hangs)")
-    r.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="write TensorBoard scalars to DIR (rank 0)")
-    r.add_argument("--out", default="runs/train",
-                   help="folder for summary.json, metrics.jsonl and model.pt")
+    r.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="auto: nccl when CUDA GPUs are visible, gloo otherwise",
+    )
+    r.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a collective may wait before the job fails (not hangs)",
+    )
+    r.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="write TensorBoard scalars to DIR (rank 0)",
+    )
+    r.add_argument(
+        "--out", default="runs/train", help="folder for summary.json, metrics.jsonl and model.pt"
+    )
     r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    r.add_argument("--dry-run", action="store_true",
-                   help="check the flags and the environment, print the configuration, exit")
+    r.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the flags and the environment, print the configuration, exit",
+    )
     return p
 
 
@@ -158,9 +214,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         value = getattr(cfg, name)
         if value not in (None, False):
             raise UsageError(f"{what} is not available yet in this version of ddp_lab")
-    positive = {"--epochs": cfg.epochs, "--batch-size": cfg.batch_size,
-                "--accum-steps": cfg.accum_steps, "--train-size": cfg.train_size,
-                "--test-size": cfg.test_size}
+    positive = {
+        "--epochs": cfg.epochs,
+        "--batch-size": cfg.batch_size,
+        "--accum-steps": cfg.accum_steps,
+        "--train-size": cfg.train_size,
+        "--test-size": cfg.test_size,
+    }
     if cfg.max_steps is not None:
         positive["--max-steps"] = cfg.max_steps
     for flag, value in positive.items():
@@ -179,17 +239,13 @@ def check_environment(cfg: Config, env: DistEnv) -> None:
     """Refuse combinations this machine cannot run, with the fix in the message."""
     if cfg.amp == "fp16" and env.device.type != "cuda":
         raise UsageError("--amp fp16 needs a CUDA GPU (GradScaler); use --amp bf16 on the CPU")
-    if cfg.sync_bn and env.device.type != "cuda":
-        raise UsageError(
-            "--sync-bn on the CPU needs ddp_lab's own SyncBatchNorm, which is not available "
-            "yet (it arrives with lab04); nn.SyncBatchNorm runs only on CUDA GPUs"
-        )
 
 
 def wrap_model(model: torch.nn.Module, cfg: Config, env: DistEnv) -> torch.nn.Module:
     """Move the model to its device, convert BatchNorm when asked, and wrap it in DDP."""
     if cfg.sync_bn and has_batchnorm(model):
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # nn.SyncBatchNorm on CUDA; ddp_lab's own on the CPU (nn.SyncBatchNorm refuses it).
+        model = convert_sync_batchnorm_auto(model, env.device)
     model = model.to(env.device)
     if env.distributed:
         device_ids = [env.local_rank] if env.device.type == "cuda" else None
@@ -231,8 +287,15 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 def _progress(total: int, env: DistEnv, cfg: Config):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True,
-                disable=not env.is_rank0 or cfg.no_progress, file=sys.stderr)
+    return tqdm(
+        total=total,
+        desc="train",
+        unit="step",
+        mininterval=1.0,
+        dynamic_ncols=True,
+        disable=not env.is_rank0 or cfg.no_progress,
+        file=sys.stderr,
+    )
 
 
 def train(cfg: Config, env: DistEnv) -> dict:
@@ -251,8 +314,9 @@ def train(cfg: Config, env: DistEnv) -> dict:
     )
     if env.distributed and env.is_rank0:
         dist.barrier()
-    workers = cfg.num_workers if cfg.num_workers is not None else (
-        4 if env.device.type == "cuda" else 0)
+    workers = (
+        cfg.num_workers if cfg.num_workers is not None else (4 if env.device.type == "cuda" else 0)
+    )
     micro_batches, sampler = data_mod.make_train_loader(
         train_set, cfg.batch_size, env, seed=cfg.seed, num_workers=workers
     )
@@ -270,23 +334,25 @@ def train(cfg: Config, env: DistEnv) -> dict:
     model = wrap_model(build_model(cfg.model), cfg, env)
     params = [p for p in model.parameters() if p.requires_grad]
     lr = cfg.lr * (env.world_size * cfg.accum_steps if cfg.scale_lr else 1)
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
     global_batch = cfg.batch_size * env.world_size * cfg.accum_steps
 
-    os.makedirs(cfg.out, exist_ok=True) if env.is_rank0 else None
-    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "w") if env.is_rank0 else None
-    writer = None
-    if cfg.tensorboard and env.is_rank0:
-        from torch.utils.tensorboard import SummaryWriter
+    metrics = writer = None
+    if env.is_rank0:
+        os.makedirs(cfg.out, exist_ok=True)
+        metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(cfg.tensorboard)
+            writer = SummaryWriter(cfg.tensorboard)
     print0(
         f"{PROG}: {env.world_size} process(es), backend {env.backend}, device "
         f"{env.device.type}; model {cfg.model}, dataset {cfg.dataset} ({len(train_set)} "
         f"train / {len(test_set)} test); {total_steps} steps of global batch {global_batch}, "
-        f"lr {lr:g}", env=env, file=sys.stderr,
+        f"lr {lr:g}",
+        env=env,
+        file=sys.stderr,
     )
 
     step, last_loss, evals = 0, float("nan"), []
@@ -309,8 +375,11 @@ def train(cfg: Config, env: DistEnv) -> dict:
                 y = y.to(env.device, non_blocking=True)
                 # Gradients are all-reduced only on the last micro-step of the group.
                 last_micro = micro == cfg.accum_steps - 1
-                sync = contextlib.nullcontext() if last_micro or not env.distributed else (
-                    model.no_sync())
+                sync = (
+                    contextlib.nullcontext()
+                    if last_micro or not env.distributed
+                    else (model.no_sync())
+                )
                 with sync:
                     with _autocast(cfg, env):
                         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -333,8 +402,14 @@ def train(cfg: Config, env: DistEnv) -> dict:
                 t_timed = time.perf_counter()
             last_loss = mean_loss
             if env.is_rank0:
-                record = {"step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
-                          "grad_norm": float(grad_norm), "samples_per_s": global_batch / dt}
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "samples_per_s": global_batch / dt,
+                }
                 metrics.write(json.dumps(record) + "\n")
                 if writer is not None:
                     for key in ("loss", "lr", "grad_norm", "samples_per_s"):
@@ -346,8 +421,12 @@ def train(cfg: Config, env: DistEnv) -> dict:
         evals.append({"epoch": epoch, "step": step, **ev})
         if writer is not None:
             writer.add_scalar("eval/accuracy", ev["accuracy"], step)
-        print0(f"epoch {epoch}: step {step}, test accuracy {ev['accuracy']:.4f}, "
-               f"test loss {ev['loss']:.4f}", env=env, file=sys.stderr)
+        print0(
+            f"epoch {epoch}: step {step}, test accuracy {ev['accuracy']:.4f}, "
+            f"test loss {ev['loss']:.4f}",
+            env=env,
+            file=sys.stderr,
+        )
     bar.close()
     seconds = time.perf_counter() - t_start
     timed = time.perf_counter() - t_timed if t_timed is not None else float("nan")
@@ -374,8 +453,12 @@ def train(cfg: Config, env: DistEnv) -> dict:
         metrics.close()
         if writer is not None:
             writer.close()
-        print0(f"{PROG}: done in {seconds:.1f} s, {summary['samples_per_s']:.0f} samples/s; "
-               f"results in {cfg.out}/", env=env, file=sys.stderr)
+        print0(
+            f"{PROG}: done in {seconds:.1f} s, {summary['samples_per_s']:.0f} samples/s; "
+            f"results in {cfg.out}/",
+            env=env,
+            file=sys.stderr,
+        )
     return summary
 
 
@@ -387,8 +470,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_environment(cfg, env)
         if cfg.dry_run:
-            print0(json.dumps({"config": asdict(cfg), "world_size": env.world_size,
-                               "backend": env.backend, "device": str(env.device)}), env=env)
+            print0(
+                json.dumps(
+                    {
+                        "config": asdict(cfg),
+                        "world_size": env.world_size,
+                        "backend": env.backend,
+                        "device": str(env.device),
+                    }
+                ),
+                env=env,
+            )
             return 0
         train(cfg, env)
     finally:

@@ -1,0 +1,55 @@
+# ddp-lab: every command a student, an instructor or a TA needs.
+#   make lab3   run lab 3's distributed workload (all GPUs, or 2 CPU processes with gloo)
+#   make test   the whole test suite (installs .venv first when needed)
+# `make help` lists the rest.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+# One thread per process: N processes share the cores. Gloo restarts need the second one.
+export OMP_NUM_THREADS ?= 1
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help install test test-fast lint format lab3 bench lab clean
+
+help:  ## list the targets
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
+
+# The virtual environment is rebuilt only when the pins change (quick no-op otherwise).
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ddp-lab needs Python >= 3.11; set PYTHON=python3.11"' \
+	  || { echo "make: ddp-lab needs Python >= 3.11 (found $$($(PYTHON) --version 2>&1)); run: make PYTHON=python3.11 ..." >&2; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing the pinned course environment into $(VENV) (first time: a few minutes)"
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[course,dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)  ## build .venv from the pins (quick when nothing changed)
+
+test: $(STAMP)  ## the whole test suite
+	$(PY) -m pytest
+
+test-fast: $(STAMP)  ## the quick subset (no torchrun sweeps, no notebooks)
+	$(PY) -m pytest -m "not slow"
+
+lint: $(STAMP)  ## ruff lint and format check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)  ## ruff format and autofix
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+lab3: $(STAMP)  ## lab 3's DDP workload on every GPU (or 2 CPU processes) into results/lab3/
+	$(PY) -m ddp_lab.lab3 $(LAB3_ARGS)
+
+lab: $(STAMP)  ## JupyterLab on the labs
+	$(VENV)/bin/jupyter lab
+
+clean:  ## remove run outputs (keeps .venv)
+	rm -rf runs results .pytest_cache .ruff_cache

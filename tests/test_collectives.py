@@ -1,0 +1,234 @@
+"""The hand-written collectives of lab02 equal torch's, and the cost model fits its own data.
+
+Distributed cases run in real gloo process groups of 2 and 3 processes, started once per world
+size (a module-scoped fixture) with the ``multiprocessing`` spawn context; the workers live in
+``tests/_collective_workers.py`` and save their differences to files that the tests read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:  # spawn copies sys.path into the children: they find it too
+    sys.path.insert(0, _TESTS_DIR)
+
+import _collective_workers as workers  # noqa: E402
+
+from ddp_lab.collectives import (  # noqa: E402
+    fit_alpha_beta,
+    parameter_server_average,
+    ring_all_reduce,
+    ring_allreduce_time,
+    ring_owned_chunk,
+    ring_schedule,
+)
+
+WORLD_SIZES = [2, 3]
+#: Lengths not divisible by 2 or 3, and shorter than the world size; two 2-D shapes.
+CASES = [((n,), "float64") for n in (1, 2, 7, 10, 1001)] + [
+    ((7,), "float32"),
+    ((1001,), "float32"),
+    ((3, 5), "float64"),
+    ((4, 7), "float32"),
+]
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
+GROUP_TIMEOUT_S = 90
+TEST_TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(world_size: int, out_dir: Path) -> list[dict]:
+    """Spawn ``world_size`` workers, wait (bounded), kill stragglers, return each rank's dict."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = _free_port()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at start()
+    procs = [
+        ctx.Process(
+            target=workers.worker_main,
+            args=(rank, world_size, port, str(out_dir), CASES),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + GROUP_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+        for p in procs:
+            if p.pid is None:  # never started
+                continue
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    errors = sorted(out_dir.glob("rank*.err"))
+    assert not errors, "\n".join(e.read_text() for e in errors)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * world_size, f"worker exit codes {codes} (None/-9: killed on timeout)"
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def group_results(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    world_size = request.param
+    return world_size, run_group(world_size, tmp_path_factory.mktemp(f"world{world_size}"))
+
+
+def _case_id(case: tuple) -> str:
+    shape, dtype = case
+    return f"{'x'.join(map(str, shape))}-{dtype}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_ring_all_reduce_matches_dist_all_reduce(group_results, case):
+    world_size, ranks = group_results
+    for rank, res in enumerate(ranks):
+        diff = res["ring"][case]
+        assert diff <= TOLERANCE[case[1]], f"world {world_size}, rank {rank}: max diff {diff}"
+        assert res["in_place"][case], f"rank {rank}: result is not the input tensor, in place"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_parameter_server_average_matches_all_reduce_mean(group_results, case):
+    world_size, ranks = group_results
+    for rank, res in enumerate(ranks):
+        diff = res["ps"][case]
+        assert diff <= TOLERANCE[case[1]], f"world {world_size}, rank {rank}: max diff {diff}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_ring_skipping_last_reduce_scatter_step_is_detected(group_results, case):
+    world_size, ranks = group_results
+    # every case has a non-empty chunk, so some rank must see a wrong sum
+    worst = max(res["broken"][case] for res in ranks)
+    assert worst > 1e-3, f"world {world_size}: the broken ring went unnoticed ({worst})"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_collectives_handle_non_contiguous_tensors_and_sub_groups(group_results):
+    world_size, ranks = group_results
+    assert all(res["noncontig"] <= 1e-12 for res in ranks), [r["noncontig"] for r in ranks]
+    subgroup = [res["subgroup"] for res in ranks if "subgroup" in res]
+    assert len(subgroup) == len(range(world_size - 1, -1, -2))
+    assert all(d <= 1e-12 for d in subgroup), subgroup
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_measure_all_reduce_gives_positive_finite_times_agreed_by_all_ranks(group_results):
+    _, ranks = group_results
+    for key in ("measured", "measured_ring"):
+        times = ranks[0][key]
+        assert len(times) == 2
+        assert all(math.isfinite(t) and t > 0 for t in times), times
+        assert all(res[key] == times for res in ranks), "ranks report different times"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_ring_schedule_reduces_each_chunk_once_then_gathers_everywhere(world_size):
+    n = world_size
+    steps = ring_schedule(n)
+    assert len(steps) == 2 * (n - 1)
+    # contributions[rank][chunk]: the set of ranks whose values that copy of the chunk sums
+    contributions = [[{r} for _ in range(n)] for r in range(n)]
+    for step in steps[: n - 1]:
+        assert sorted(src for src, _, _ in step) == list(range(n)), "one send per rank"
+        assert all(dst == (src + 1) % n for src, dst, _ in step), "only to the right neighbour"
+        sent = [(dst, chunk, set(contributions[src][chunk])) for src, dst, chunk in step]
+        for dst, chunk, values in sent:
+            assert not values & contributions[dst][chunk], "a contribution counted twice"
+            contributions[dst][chunk] |= values
+    everyone = set(range(n))
+    for chunk in range(n):
+        holders = [r for r in range(n) if contributions[r][chunk] == everyone]
+        assert holders == [[r for r in range(n) if ring_owned_chunk(r, n) == chunk][0]]
+    for step in steps[n - 1 :]:
+        assert all(dst == (src + 1) % n for src, dst, _ in step)
+        sent = [(dst, chunk, set(contributions[src][chunk])) for src, dst, chunk in step]
+        for dst, chunk, values in sent:
+            contributions[dst][chunk] = values
+    assert all(c == everyone for row in contributions for c in row), "a rank misses a chunk"
+
+
+@pytest.mark.timeout(10)
+def test_ring_schedule_rejects_empty_world():
+    with pytest.raises(ValueError, match="at least 1"):
+        ring_schedule(0)
+
+
+@pytest.mark.timeout(10)
+def test_collectives_are_no_ops_in_one_process():
+    x = torch.arange(6.0).reshape(2, 3)
+    assert ring_all_reduce(x) is x and x.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert parameter_server_average(x) is x and x.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.timeout(10)
+def test_ring_allreduce_time_follows_the_alpha_beta_formula():
+    assert ring_allreduce_time(1e9, 4, 1e-5, 1e10) == pytest.approx(1.5 * 0.1 + 6e-5)
+    assert ring_allreduce_time(1e9, 1, 1e-5, 1e10) == 0.0
+    sizes = np.array([1e3, 1e6])
+    np.testing.assert_allclose(ring_allreduce_time(sizes, 2, 0.0, 1e9), sizes / 1e9)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+@pytest.mark.parametrize("relative", [False, True])
+def test_fit_alpha_beta_recovers_the_model_parameters(world_size, relative):
+    alpha, bandwidth = 3e-5, 2.5e9
+    sizes = np.logspace(2, 8, 13)
+    seconds = ring_allreduce_time(sizes, world_size, alpha, bandwidth)
+    fit_alpha, fit_bandwidth = fit_alpha_beta(sizes, seconds, world_size, relative=relative)
+    assert fit_alpha == pytest.approx(alpha, rel=0.01)
+    assert fit_bandwidth == pytest.approx(bandwidth, rel=0.01)
+
+
+@pytest.mark.timeout(10)
+def test_fit_alpha_beta_recovers_parameters_from_noisy_times_with_relative_errors():
+    alpha, bandwidth, n = 1e-4, 1e9, 4
+    sizes = np.logspace(2, 8, 25)
+    noise = 1 + 0.002 * np.random.default_rng(0).standard_normal(sizes.size)
+    seconds = ring_allreduce_time(sizes, n, alpha, bandwidth) * noise
+    fit_alpha, fit_bandwidth = fit_alpha_beta(sizes, seconds, n, relative=True)
+    assert fit_alpha == pytest.approx(alpha, rel=0.01)
+    assert fit_bandwidth == pytest.approx(bandwidth, rel=0.01)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "sizes, seconds, world_size, message",
+    [
+        ([1e3, 1e6], [1.0], 2, "one time per size"),
+        ([1e3, 1e3], [1.0, 1.0], 2, "two distinct"),
+        ([1e3, 1e6], [1.0, float("nan")], 2, "finite"),
+        ([1e3, 1e6], [1.0, 2.0], 1, "world_size >= 2"),
+    ],
+)
+def test_fit_alpha_beta_rejects_unusable_input(sizes, seconds, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        fit_alpha_beta(sizes, seconds, world_size)
