@@ -12,9 +12,11 @@ STAMP := $(VENV)/.installed-stamp
 # One thread per process: N processes share the cores. Gloo restarts need the second one.
 export OMP_NUM_THREADS ?= 1
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
+# nbgrader calls helper programs (alembic) by name: the venv's bin must come first.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format lab3 bench lab clean
+.PHONY: help install test test-fast lint format lab3 bench lab release autograde feedback grades sample-class clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -48,8 +50,32 @@ format: $(STAMP)  ## ruff format and autofix
 lab3: $(STAMP)  ## lab 3's DDP workload on every GPU (or 2 CPU processes) into results/lab3/
 	$(PY) -m ddp_lab.lab3 $(LAB3_ARGS)
 
-lab: $(STAMP)  ## JupyterLab on the labs
+lab: $(STAMP)  ## JupyterLab (with nbgrader's extensions) on the course
 	$(VENV)/bin/jupyter lab
+
+# --- instructors: nbgrader (solutions/ is the source, labs/ the release, grading/ the rest)
+LABS := $(notdir $(wildcard solutions/lab*))
+
+release: $(STAMP)  ## regenerate labs/ from solutions/ (commit the result)
+	@for lab in $(LABS); do \
+	  $(VENV)/bin/nbgrader generate_assignment $$lab --force --create --log-level=WARN || exit 1; \
+	  echo "released labs/$$lab"; \
+	done
+
+autograde: $(STAMP)  ## grade grading/submitted/<student>/<lab>/ (sandboxed, time-limited)
+	$(PY) -m ddp_lab.grading.autograde $(AUTOGRADE_ARGS)
+
+feedback: $(STAMP)  ## HTML feedback for every autograded submission, in grading/feedback/
+	@for lab in $(LABS); do \
+	  $(VENV)/bin/nbgrader generate_feedback $$lab --force --log-level=WARN || exit 1; \
+	done
+
+grades: $(STAMP)  ## export the gradebook to grading/grades.csv
+	$(VENV)/bin/nbgrader export --to grading/grades.csv --log-level=WARN
+	@echo "wrote grading/grades.csv"
+
+sample-class: $(STAMP)  ## put a demo class (perfect, blank, mistake, hang, cheat) into grading/submitted
+	$(PY) tests/sample_class.py grading/submitted
 
 clean:  ## remove run outputs (keeps .venv)
 	rm -rf runs results .pytest_cache .ruff_cache

@@ -30,13 +30,13 @@ A worker script hands a result back to the notebook with :func:`write_result`::
     {'sum': 3.0}
 
 Command line: ``python -m ddp_lab.launch --nproc 2 worker.py -- --flag value``.
-Linux and macOS only (the tree is found through ``/proc``, or ``ps`` where there is none).
+Linux and macOS only: the tree is found and killed by :mod:`ddp_lab.proctree` (through
+``/proc``, or ``ps`` where there is none).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -50,20 +50,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_lab.proctree import GRACE_S, POLL_S, SCAN_S, ProcessTree
+
 #: The variable that tells a worker where to write its JSON result (see :func:`write_result`).
 RESULT_ENV = "DDP_LAB_RESULT"
 #: ``stream="summary"`` prints at most this many lines of rank output, then only errors.
 SUMMARY_MAX_LINES = 200
 #: Lines of the failing rank's log quoted in a :class:`LaunchFailed` message.
 TAIL_LINES = 15
-#: Seconds between SIGTERM and SIGKILL when the tree is killed.
-GRACE_S = 5.0
-_POLL_S = 0.1
-_SCAN_S = 0.5
 #: A line that reports an error: ``ValueError: ...``, ``prog: error: ...``, a fatal signal.
 _ALERT = re.compile(
     r"\s*(?:[\w.]*(?:Error|Exception|Interrupt)\b|[\w.]+: error:"
     r"|Segmentation fault|Killed|Fatal Python error)"
+)
+
+#: The first line of a traceback, or of the next one in a chain.
+_CHAINED = re.compile(
+    r"Traceback \(most recent call last\)|During handling of the above|The above exception was"
 )
 
 
@@ -74,7 +77,7 @@ class LaunchResult:
     Attributes:
         returncode: torchrun's exit status (negative: killed by that signal).
         logs: combined stdout and stderr of each rank (``rank -> text``); key ``-1`` holds
-            torchrun's own output. A restart inserts a ``--- torchrun restart ---`` line.
+            torchrun's own output. A restart inserts a ``--- torchrun restart N ---`` line.
         result: the JSON object a worker wrote with :func:`write_result`, or ``None``.
         seconds: wall-clock duration of the launch.
         command: the command that was run.
@@ -194,6 +197,7 @@ def torchrun(
         (True, 'rank 1 ready')
     """
     mode = _stream_mode(stream)
+    target = os.fspath(target)
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
     if not timeout or timeout <= 0:
@@ -237,7 +241,7 @@ def torchrun(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        tree = _Tree(proc)
+        tree = ProcessTree(proc)
         try:
             killed = _supervise(proc, tree, logs, t0 + timeout)
         except BaseException:  # Ctrl-C, or a bug here: never leave workers behind
@@ -302,7 +306,9 @@ def _worker_env(extra: Mapping[str, str] | None, result_path: Path) -> dict[str,
     return env
 
 
-def _supervise(proc: subprocess.Popen, tree: _Tree, logs: _Logs, deadline: float) -> int | None:
+def _supervise(
+    proc: subprocess.Popen, tree: ProcessTree, logs: _Logs, deadline: float
+) -> int | None:
     """Follow the logs until torchrun exits (None) or the deadline passes (processes killed)."""
     next_scan = 0.0
     while True:
@@ -314,8 +320,8 @@ def _supervise(proc: subprocess.Popen, tree: _Tree, logs: _Logs, deadline: float
             return tree.terminate(GRACE_S)
         if now >= next_scan:  # remember every descendant, in case one outlives torchrun
             tree.refresh()
-            next_scan = now + _SCAN_S
-        time.sleep(_POLL_S)
+            next_scan = now + SCAN_S
+        time.sleep(POLL_S)
     if tree.alive(tree.refresh()):  # a worker's own child that torchrun left behind
         tree.terminate(1.0)
     return None
@@ -413,19 +419,24 @@ def _display(line: str, rank: int) -> str:
 
 
 class _Printer:
+    """The live view. ``summary``: rank 0's lines, other ranks' error lines, and every
+    traceback shortened to its last line (the whole one is in the error and in the logs)."""
+
     def __init__(self, mode: str | None):
         self.mode, self.shown, self.capped = mode, 0, False
+        self.in_traceback: set[int] = set()
+        self.after_traceback: set[int] = set()
 
     def line(self, rank: int, line: str) -> None:
         if self.mode is None:
             return
         text = _display(line, rank)
-        if rank < 0:
-            if self.mode == "all":
-                self._emit(f"[torchrun] {text}")
+        if self.mode == "all":
+            self._emit(f"[torchrun] {text}" if rank < 0 else f"[rank{rank}] {text}")
             return
-        alert = bool(_ALERT.match(text))
-        if self.mode == "all" or alert:
+        if rank < 0 or self._traceback_body(rank, text):
+            return
+        if _ALERT.match(text):
             self._emit(f"[rank{rank}] {text}")
         elif rank == 0 and self.shown < SUMMARY_MAX_LINES:
             self._emit(f"[rank{rank}] {text}")
@@ -435,6 +446,23 @@ class _Printer:
                 f"[ddp_lab.launch] more than {SUMMARY_MAX_LINES} lines; showing only "
                 "errors now (all lines: result.logs)"
             )
+
+    def _traceback_body(self, rank: int, text: str) -> bool:
+        """True for the lines of a traceback before its final ``SomeError: ...`` line."""
+        if _CHAINED.match(text):
+            self.in_traceback.add(rank)
+            return True
+        if rank in self.in_traceback:
+            if not text or text[0].isspace():
+                return True
+            self.in_traceback.discard(rank)
+            self.after_traceback.add(rank)  # hide the blank line before a chained traceback
+            return False
+        if rank in self.after_traceback:
+            if not text:
+                return True
+            self.after_traceback.discard(rank)
+        return False
 
     def note(self, text: str) -> None:
         if self.mode is not None:
@@ -502,110 +530,6 @@ def _timeout_message(res: LaunchResult, target: str, timeout: float, killed: int
         "collective (one skipped a barrier or all_reduce) or wait for a rank that died; if "
         f"the job is just slow, raise timeout=.\n{shown}{more}"
     )
-
-
-# --- the process tree --------------------------------------------------------------------
-
-
-def _process_table(zombies: bool = False) -> dict[int, tuple[int, int, str]]:
-    """``pid -> (ppid, pgid, start time)`` of every process (zombies only when asked)."""
-    table: dict[int, tuple[int, int, str]] = {}
-    if os.path.isdir("/proc"):
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read().decode("utf-8", "replace")
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
-            if len(fields) > 19 and (zombies or fields[0] not in ("Z", "X")):
-                table[int(name)] = (int(fields[1]), int(fields[2]), fields[19])
-        return table
-    try:  # macOS: no /proc
-        out = subprocess.run(
-            ["ps", "-A", "-o", "pid=,ppid=,pgid=,stat="], capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return table
-    for row in out.splitlines():
-        parts = row.split()
-        if len(parts) >= 4 and (zombies or not parts[3].startswith("Z")):
-            table[int(parts[0])] = (int(parts[1]), int(parts[2]), "")
-    return table
-
-
-class _Tree:
-    """torchrun and every descendant ever seen (workers live in sessions of their own)."""
-
-    def __init__(self, root: subprocess.Popen):
-        self.root = root
-        self.known: dict[int, str] = {}  # pid -> start time, guards against pid reuse
-        self.killed = 0  # processes alive when terminate() was called, in total
-
-    def refresh(self) -> dict[int, tuple[int, int, str]]:
-        """Add the current descendants to the known ones; return the process table."""
-        table = _process_table()
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _, _) in table.items():
-            children.setdefault(ppid, []).append(pid)
-        stack = self.alive(table)
-        while stack:
-            for child in children.get(stack.pop(), ()):
-                if self.known.get(child) != table[child][2]:
-                    self.known[child] = table[child][2]
-                    stack.append(child)
-        return table
-
-    def alive(self, table: dict[int, tuple[int, int, str]], root: bool = True) -> list[int]:
-        """Known processes still in ``table`` (torchrun first, unless ``root=False``)."""
-        pids = [p for p, start in self.known.items() if p in table and table[p][2] == start]
-        return ([self.root.pid] if root and self.root.poll() is None else []) + pids
-
-    def _signal(self, sig: int, table: dict[int, tuple[int, int, str]], root: bool) -> None:
-        pids = self.alive(table, root)
-        groups = {table[p][1] for p in pids if p in table} - {os.getpgrp(), 0, 1}
-        if not root:
-            groups.discard(self.root.pid)  # torchrun's own group
-        for pgid in groups:
-            with contextlib.suppress(OSError):  # already gone
-                os.killpg(pgid, sig)
-        for pid in pids:
-            with contextlib.suppress(OSError):  # already gone
-                os.kill(pid, sig)
-
-    def _wait(self, seconds: float, zombies: bool = False) -> None:
-        """Wait until no known process is left (with ``zombies``: not even unreaped)."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            table = _process_table(zombies) if zombies else self.refresh()
-            if not self.alive(table, root=not zombies):
-                return
-            time.sleep(0.05)
-
-    def terminate(self, grace: float) -> int:
-        """SIGTERM the tree, SIGKILL what is left after ``grace`` s; return how many were alive.
-
-        SIGKILL goes to the workers first, so that torchrun, their parent, can still reap
-        them; orphans would wait for init, which may be slow to reap.
-        """
-        table = self.refresh()
-        count = len(self.alive(table))
-        self.killed += count
-        try:
-            self._signal(signal.SIGTERM, table, root=True)
-            self._wait(grace)
-        finally:  # also on Ctrl-C during the grace period: straight to SIGKILL, then re-raise
-            table = self.refresh()
-            if self.alive(table, root=False):
-                self._signal(signal.SIGKILL, table, root=False)
-                self._wait(1.0, zombies=True)
-            if self.root.poll() is None:
-                self.root.kill()
-            self.root.wait()
-            self._wait(3.0, zombies=True)
-        return count
 
 
 # --- command line ------------------------------------------------------------------------

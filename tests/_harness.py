@@ -16,6 +16,7 @@ def run_tree(
     """Run ``cmd`` in its own session; on timeout kill the whole process group and fail."""
     full_env = {
         **os.environ,
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -35,9 +36,7 @@ def run_tree(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(
-            f"{' '.join(cmd)} timed out after {timeout} s\n{out}\n{err}"
-        ) from None
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout} s\n{out}\n{err}") from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # nothing of the run may outlive it

@@ -55,6 +55,32 @@ RANK1_RAISES = """
     dist.barrier()  # rank 0 waits for rank 1, which has died
 """
 
+RANK1_EXITS = """
+    import os, sys
+    rank = os.environ["RANK"]
+    if rank == "1":
+        print("rank 1 gives up", file=sys.stderr)
+        sys.exit(3)
+    print(f"rank {rank} done")
+"""
+
+# Rank 1 fails once; torchrun restarts both ranks and the second attempt succeeds.
+FAILS_ONCE = """
+    import os
+    import torch.distributed as dist
+    from ddp_lab.launch import write_result
+
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {rank} attempt {attempt}")
+    dist.barrier()
+    if rank == 1 and attempt == 0:
+        raise RuntimeError("injected fault")
+    dist.barrier()
+    write_result({"attempt": attempt})
+    dist.destroy_process_group()
+"""
+
 # Rank 1 sleeps, rank 0 waits for it in a barrier: a hang. Each worker writes its pid first.
 HANGS = """
     import os, sys, time
@@ -122,7 +148,9 @@ def _wait_for_files(paths: list[Path], seconds: float) -> bool:
 @pytest.mark.timeout(120)
 def test_all_reduce_returns_result_and_every_ranks_log(tmp_path, capsys):
     script = _script(tmp_path, ALL_REDUCE)
-    res = torchrun(str(script), ["--flag", "two words"], nproc=2, timeout=90)
+    res = torchrun(
+        str(script), ["--flag", "two words"], nproc=2, timeout=90, log_dir=str(tmp_path / "logs")
+    )
 
     assert res.ok and res.returncode == 0
     assert res.result == {"sum": [3.0], "world_size": 2, "argv": ["--flag", "two words"]}
@@ -130,6 +158,9 @@ def test_all_reduce_returns_result_and_every_ranks_log(tmp_path, capsys):
     assert "rank 1 says hello, sum 3" in res.logs[1]
     assert "rank 1 stderr line" in res.logs[1] and "rank 1" not in res.logs[0]
     assert -1 in res.logs  # torchrun's own output, kept apart
+    kept = Path(res.log_dir)  # log_dir=: the files stay, one new folder per launch
+    assert kept.parent == tmp_path / "logs" and (kept / "result.json").exists()
+    assert len(list(kept.glob("torchrun/*/attempt_0/*/stdout.log"))) == 2
     assert "--standalone" in res.command  # a free port every time
     assert not any("master" in arg or "rdzv" in arg for arg in res.command)
 
@@ -156,11 +187,33 @@ def test_failing_rank_raises_launch_failed_naming_rank_and_error(tmp_path, capsy
     assert "[rank1] ValueError: boom from rank 1" in out
     assert 'File "' not in out  # no traceback frames in the live view
 
-    res = torchrun(str(script), nproc=2, timeout=90, check=False, stream=False)
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_check_false_returns_the_failed_result(tmp_path, capsys):
+    # No torch import in the workers: a quick launch whose rank 1 exits with status 3.
+    script = _script(tmp_path, RANK1_EXITS)
+    res = torchrun(str(script), nproc=2, timeout=50, check=False, stream=False)
     assert res.returncode != 0 and not res.ok
-    assert "boom from rank 1" in res.logs[1]
+    assert "rank 1 gives up" in res.logs[1] and "rank 0 done" in res.logs[0]
+    assert launch._first_failure(res) == (1, 3)
     assert res.result is None
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_restart_after_a_fault_is_logged_and_the_last_attempt_reports(tmp_path, capsys):
+    script = _script(tmp_path, FAILS_ONCE)
+    res = torchrun(str(script), nproc=2, max_restarts=1, timeout=90)
+    assert res.ok and res.result == {"attempt": 1}
+    for rank in range(2):
+        before, marker, after = res.logs[rank].partition("--- torchrun restart 1 ---")
+        assert marker and f"rank {rank} attempt 0" in before and f"rank {rank} attempt 1" in after
+    out = capsys.readouterr().out.splitlines()
+    assert "torchrun: restarting all workers (restart 1)" in out
+    assert "[rank1] RuntimeError: injected fault" in out
+    assert len(out) <= 8
 
 
 @pytest.mark.slow
@@ -241,10 +294,26 @@ def test_summary_view_shows_rank0_and_only_error_lines_of_others(capsys):
     printer.line(1, '[rank1]:     raise ValueError("boom")')
     printer.line(1, "[rank1]: ValueError: boom")
     printer.line(0, "10%|#  | 1/10\r50%|#####  | 5/10\r")
+    for line in [
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]:   File ...",
+        "[rank0]: KeyError: 'x'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "w.py", line 3',
+        "RuntimeError: connection closed by peer",
+    ]:
+        printer.line(0, line)
+    printer.line(0, "after the traceback")
     assert capsys.readouterr().out.splitlines() == [
         "[rank0] epoch 1 loss 0.5",
         "[rank1] ValueError: boom",
         "[rank0] 50%|#####  | 5/10",
+        "[rank0] KeyError: 'x'",
+        "[rank0] RuntimeError: connection closed by peer",
+        "[rank0] after the traceback",
     ]
 
 

@@ -1,0 +1,135 @@
+"""``make autograde``: grade every submission, each student in a time-limited sandbox.
+
+``python -m ddp_lab.grading.autograde [--jobs N] [--timeout S] [--lab LAB] [--student S]``
+finds ``grading/submitted/<student>/<lab>/``, runs ``nbgrader autograde LAB --student S``
+for each pair, at most ``--jobs`` at a time, each with a wall-clock limit after which its
+whole process tree is killed (the student then has no autograded notebook and the summary
+says so). Where the platform allows it (Linux with ``unshare``), each run has no network
+but its own loopback (``--network off``, the default where available).
+
+What this protects, and what it does not, is in the README ("Grading sandbox").
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ddp_lab import proctree
+
+PROG = "ddp_lab.grading.autograde"
+
+
+@functools.cache
+def network_sandbox() -> list[str] | None:
+    """The command prefix that runs a command without network (but with loopback), or None.
+
+    Tries ``unshare -n`` (root) and ``unshare -rn`` (an unprivileged user namespace).
+    """
+    if not sys.platform.startswith("linux") or not shutil.which("unshare"):
+        return None
+    lo_up = "ip link set lo up 2>/dev/null || true; exec \"$@\""
+    for flags in (["-n"], ["-rn"]):
+        prefix = ["unshare", *flags, "sh", "-c", lo_up, "sandbox"]
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return prefix
+    return None
+
+
+def submissions(root: Path, labs: list[str] | None, students: list[str] | None):
+    """``(student, lab)`` pairs found under ``root/grading/submitted``."""
+    base = root / "grading" / "submitted"
+    pairs = []
+    for student_dir in sorted(p for p in base.glob("*") if p.is_dir()):
+        if students and student_dir.name not in students:
+            continue
+        for lab_dir in sorted(p for p in student_dir.glob("*") if p.is_dir()):
+            if labs and lab_dir.name not in labs:
+                continue
+            pairs.append((student_dir.name, lab_dir.name))
+    return pairs
+
+
+def grade_one(root: Path, student: str, lab: str, timeout: float, sandbox: list[str] | None):
+    """Autograde one submission; return ``(student, lab, status, seconds)``."""
+    nbgrader = Path(sys.executable).with_name("nbgrader")
+    cmd = [str(nbgrader), "autograde", lab, "--student", student, "--create", "--force"]
+    env = {**os.environ, "PATH": os.pathsep.join([str(nbgrader.parent), os.environ["PATH"]])}
+    run = proctree.run([*(sandbox or []), *cmd], timeout=timeout, cwd=str(root), env=env)
+    if run.timed_out:
+        status = f"TIMEOUT after {timeout:g} s (killed {run.killed} process(es))"
+    elif run.returncode != 0:
+        tail = [line for line in run.stderr.splitlines() if "ERROR" in line][-2:]
+        status = f"nbgrader failed (exit {run.returncode}) {' | '.join(tail)}"
+    else:
+        status = "graded"
+    return student, lab, status, run.seconds
+
+
+def scores(root: Path) -> dict[tuple[str, str], tuple[float, float]]:
+    """``(student, lab) -> (score, max_score)`` from the gradebook."""
+    from nbgrader.api import Gradebook
+
+    out = {}
+    with Gradebook(f"sqlite:///{root / 'grading' / 'gradebook.db'}") as gb:
+        for assignment in gb.assignments:
+            for sub in assignment.submissions:
+                out[(sub.student.id, assignment.name)] = (sub.score, sub.max_score)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=".", help="course root (holds nbgrader_config.py)")
+    p.add_argument("--lab", action="append", help="only this lab (repeatable)")
+    p.add_argument("--student", action="append", help="only this student (repeatable)")
+    p.add_argument("--jobs", type=int, default=max(1, min(2, (os.cpu_count() or 2) // 2)),
+                   help="students graded at once")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per student and lab")
+    p.add_argument("--network", choices=["auto", "off", "on"], default="auto",
+                   help="off: no network for student code (fails where impossible); "
+                   "auto: off where the platform allows it")
+    args = p.parse_args(argv)
+    root = Path(args.root).resolve()
+    sandbox = None
+    if args.network != "on":
+        sandbox = network_sandbox()
+        if sandbox is None and args.network == "off":
+            print(f"{PROG}: error: cannot cut the network here (no usable `unshare`); "
+                  "use --network on, or grade inside a container (see README)", file=sys.stderr)
+            return 2
+    pairs = submissions(root, args.lab, args.student)
+    if not pairs:
+        print(f"{PROG}: no submissions under {root / 'grading' / 'submitted'}", file=sys.stderr)
+        return 1
+    net = "no network" if sandbox else "network on"
+    print(f"{PROG}: {len(pairs)} submission(s), {args.jobs} at a time, "
+          f"{args.timeout:g} s each, {net}", flush=True)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda sl: grade_one(root, *sl, args.timeout, sandbox), pairs))
+    table = scores(root)
+    failed = 0
+    for student, lab, status, seconds in results:
+        score = table.get((student, lab))
+        shown = f"{score[0]:g}/{score[1]:g}" if score and status == "graded" else "-"
+        failed += status != "graded"
+        print(f"  {student:<16} {lab:<24} {shown:>8}  {seconds:6.1f} s  {status}")
+    print(f"{PROG}: done in {time.monotonic() - t0:.1f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

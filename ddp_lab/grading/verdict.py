@@ -1,0 +1,167 @@
+"""Verdicts reached outside the student's kernel.
+
+For each exercise of a notebook, :func:`judge_notebook`
+
+1. draws fresh inputs (a seed from the OS, unknown to the student) in this process;
+2. runs the student's solution cells, taken from the notebook's *source*, in a fresh
+   student process (``ddp_lab.grading.student``) with a time limit; the whole process
+   tree is killed afterwards, so nothing the student started survives;
+3. judges all saved outputs in one fresh judge process (``ddp_lab.grading.judge``) that
+   never runs student code.
+
+Nothing the student's kernel did (monkeypatched comparisons, replaced check functions,
+result files written by hand) reaches the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddp_lab import proctree
+from ddp_lab.grading.exercise import Exercise, exercises, lab_of_notebook
+from ddp_lab.grading.judge import package_digest, sha256
+from ddp_lab.grading.notebook import load, solution_sources
+
+JUDGE_TIMEOUT_S = 120.0
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@dataclass
+class Verdict:
+    """The grader's decision on one test cell."""
+
+    grade_id: str
+    title: str
+    passed: bool
+    message: str
+    seconds: float
+
+    def __str__(self) -> str:
+        mark = "PASSED" if self.passed else "FAILED"
+        return f"[{mark}] {self.grade_id} ({self.title}): {self.message}"
+
+
+def _student_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JPY_", "NBGRADER_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["MPLBACKEND"] = "Agg"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def _last_lines(text: str, n: int = 8) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[-n:])
+
+
+def _run_student(ex: Exercise, lab: str, sources: Mapping[str, str], tmp: Path,
+                 private: Path, seed: int) -> tuple[dict | None, str]:
+    """Run one exercise's student process; return (judge item, "") or (None, why it failed)."""
+    workdir = tmp / ex.grade_id
+    workdir.mkdir()
+    inputs = ex.make_inputs(torch.Generator().manual_seed(seed))
+    inputs_path = private / f"{ex.grade_id}-inputs.pt"
+    torch.save(inputs, inputs_path)
+    shutil.copy(inputs_path, workdir / "inputs.pt")
+    (workdir / "cells.json").write_text(
+        json.dumps({cid: sources[cid] for cid in ex.cells if cid in sources})
+    )
+    run = proctree.run(
+        [sys.executable, "-m", "ddp_lab.grading.student", lab, ex.grade_id, str(workdir)],
+        timeout=ex.timeout, cwd=str(workdir), env=_student_env(),
+    )
+    if run.timed_out:
+        return None, (f"your code did not finish within {ex.timeout:g} s and was stopped "
+                      "(an endless loop, or ranks waiting for each other?)")
+    if run.returncode != 0:
+        why = _last_lines(run.stderr) or f"exit status {run.returncode}"
+        return None, f"your code failed: {why}"
+    if not (workdir / "outputs.pt").is_file():
+        return None, "your code produced no outputs"
+    return {"grade_id": ex.grade_id, "inputs": str(inputs_path),
+            "inputs_sha256": sha256(inputs_path), "outputs": str(workdir / "outputs.pt")}, ""
+
+
+def judge_notebook(
+    notebook: str | Path | Mapping,
+    lab: str | None = None,
+    grade_ids: Iterable[str] | None = None,
+    seed: int | None = None,
+) -> dict[str, Verdict]:
+    """Judge the exercises of a notebook outside any kernel.
+
+    Args:
+        notebook: a notebook file, or a notebook (dict / NotebookNode) in memory.
+        lab: the lab name (default: the notebook file's name, e.g. ``lab01_data_parallel``).
+        grade_ids: test cells to judge (default: every exercise of the lab).
+        seed: fix the inputs (tests only); by default each run draws a fresh OS seed.
+
+    Returns:
+        ``grade_id -> Verdict``.
+
+    Example:
+        >>> v = judge_notebook("solutions/lab01_data_parallel/lab01_data_parallel.ipynb")
+        ... # doctest: +SKIP
+        >>> all(x.passed for x in v.values())                           # doctest: +SKIP
+        True
+    """
+    if isinstance(notebook, (str, Path)):
+        lab = lab or lab_of_notebook(notebook)
+        notebook = load(notebook)
+    if lab is None:
+        raise ValueError("give lab= when judging a notebook held in memory")
+    table = exercises(lab)
+    wanted = list(table) if grade_ids is None else list(grade_ids)
+    sources = solution_sources(notebook)
+    digest = package_digest()
+    verdicts: dict[str, Verdict] = {}
+    started: dict[str, float] = {}
+    items = []
+    with tempfile.TemporaryDirectory(prefix="ddp_lab-grade-") as tmp_name:
+        tmp = Path(tmp_name)
+        private = tmp / "judge"
+        private.mkdir()
+        for gid in wanted:
+            ex = table[gid]
+            t0 = time.monotonic()
+            item_seed = secrets.randbits(62) if seed is None else seed
+            item, why = _run_student(ex, lab, sources, tmp, private, item_seed)
+            started[gid] = time.monotonic() - t0
+            if item is None:
+                verdicts[gid] = Verdict(gid, ex.title, False, why, started[gid])
+            else:
+                items.append(item)
+        if items:
+            spec = private / "spec.json"
+            spec.write_text(json.dumps({"lab": lab, "items": items, "package_digest": digest}))
+            t0 = time.monotonic()
+            run = proctree.run([sys.executable, "-m", "ddp_lab.grading.judge", str(spec)],
+                               timeout=JUDGE_TIMEOUT_S, cwd=str(private), env=_student_env())
+            judged = {}
+            if run.returncode == 0 and run.stdout.strip():
+                judged = json.loads(run.stdout.strip().splitlines()[-1])
+            share = (time.monotonic() - t0) / len(items)
+            for item in items:
+                gid = item["grade_id"]
+                v = judged.get(gid, {"passed": False, "message": "the judge failed: "
+                                     + (_last_lines(run.stderr, 4) or "no verdict")})
+                verdicts[gid] = Verdict(gid, table[gid].title, bool(v["passed"]),
+                                        v["message"], started[gid] + share)
+    return {gid: verdicts[gid] for gid in wanted}

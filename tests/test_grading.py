@@ -1,0 +1,243 @@
+"""Grading is tested like code: the release, the metadata, and real autograde runs.
+
+- ``labs/`` is exactly what ``make release`` makes from ``solutions/`` and leaks nothing;
+- every graded cell is well-formed and has an out-of-kernel exercise;
+- under real ``nbgrader autograde`` (in a temporary copy of the course): the solutions get
+  full marks, the release 0, one typical mistake per exercise loses that exercise, a
+  cheating student (no-op stubs, monkeypatched comparisons and checks, forged files, edited
+  test cells) gets 0, a hanging torchrun job is stopped and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import sample_class
+from _harness import run_tree
+
+from ddp_lab.grading.exercise import exercises
+from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta, source_of
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
+NBGRADER = str(Path(sys.executable).with_name("nbgrader"))
+MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+PER_STUDENT_BUDGET_S = 120
+
+
+def _cells(folder: str, lab: str) -> list[dict]:
+    return load(ROOT / folder / lab / f"{lab}.ipynb")["cells"]
+
+
+def make_course(tmp: Path) -> Path:
+    """A temporary copy of the course (config + solutions), released there by nbgrader."""
+    course = tmp / "course"
+    course.mkdir()
+    shutil.copy(ROOT / "nbgrader_config.py", course)
+    shutil.copytree(
+        ROOT / "solutions",
+        course / "solutions",
+        ignore=shutil.ignore_patterns(".ipynb_checkpoints"),
+    )
+    for lab in LABS:
+        proc = run_tree(
+            [NBGRADER, "generate_assignment", lab, "--force", "--create", "--log-level=WARN"],
+            cwd=str(course),
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return course
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    return make_course(tmp_path_factory.mktemp("release"))
+
+
+@pytest.mark.timeout(300)
+def test_labs_equal_a_fresh_release_of_solutions(released):
+    fresh = sorted(
+        p.relative_to(released / "labs") for p in (released / "labs").rglob("*") if p.is_file()
+    )
+    committed = sorted(
+        p.relative_to(ROOT / "labs") for p in (ROOT / "labs").rglob("*") if p.is_file()
+    )
+    assert fresh == committed, "labs/ and a fresh release hold different files: make release"
+    for rel in fresh:
+        assert (released / "labs" / rel).read_bytes() == (ROOT / "labs" / rel).read_bytes(), (
+            f"labs/{rel} differs from what `make release` makes from solutions/"
+        )
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_release_leaks_nothing(lab):
+    folder = ROOT / "labs" / lab
+    files = [p.name for p in folder.rglob("*") if p.is_file()]
+    assert files == [f"{lab}.ipynb"], f"run artefacts in the release: {files}"
+    solutions = {
+        nbgrader_meta(c)["grade_id"]: source_of(c)
+        for c in _cells("solutions", lab)
+        if is_solution(c)
+    }
+    for cell in _cells("labs", lab):
+        src = source_of(cell)
+        for marker in MARKERS:
+            assert marker not in src, f"{marker} left in released cell {cell.get('id')}"
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+        gid = nbgrader_meta(cell).get("grade_id")
+        if is_solution(cell):
+            body = solutions[gid].split("### BEGIN SOLUTION")[1].split("### END SOLUTION")[0]
+            for line in body.strip().splitlines():
+                if line.strip() and not line.strip().startswith("#") and len(line.strip()) > 12:
+                    assert line not in src, f"solution line leaked into {gid}: {line!r}"
+        if is_test(cell):
+            hidden = [
+                c for c in _cells("solutions", lab) if nbgrader_meta(c).get("grade_id") == gid
+            ][0]
+            part = source_of(hidden).split("### BEGIN HIDDEN TESTS")
+            if len(part) > 1:
+                for line in part[1].split("### END HIDDEN TESTS")[0].strip().splitlines():
+                    assert line not in src, f"hidden test leaked into {gid}: {line!r}"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_cell_metadata_is_well_formed(lab):
+    cells = _cells("solutions", lab)
+    ids = [nbgrader_meta(c)["grade_id"] for c in cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), "duplicate grade_id"
+    assert [c["id"] for c in cells] == [c.get("id") for c in _cells("labs", lab)]
+    tests = [c for c in cells if is_test(c)]
+    assert 3 <= len(tests) <= 6 or lab.startswith("lab01_data_parallel") and tests
+    for cell in tests:
+        meta = nbgrader_meta(cell)
+        assert meta.get("points", 0) > 0, f"{meta['grade_id']} has no points"
+        assert meta.get("locked"), f"{meta['grade_id']} is not locked"
+    for cell in cells:
+        if is_solution(cell):
+            src = source_of(cell)
+            assert "### BEGIN SOLUTION" in src and "### END SOLUTION" in src
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, (
+                f"{cell['id']}: notebooks are committed without outputs"
+            )
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_test_cell_has_an_out_of_kernel_exercise(lab):
+    cells = _cells("solutions", lab)
+    tests = {nbgrader_meta(c)["grade_id"] for c in cells if is_test(c)}
+    solutions = {nbgrader_meta(c)["grade_id"] for c in cells if is_solution(c)}
+    table = exercises(lab)
+    assert tests == set(table), "test cells and ddp_lab.checks exercises disagree"
+    for ex in table.values():
+        assert set(ex.cells) <= solutions, f"{ex.grade_id} names unknown solution cells"
+        src = source_of(next(c for c in cells if nbgrader_meta(c).get("grade_id") == ex.grade_id))
+        assert f'verdict("{ex.grade_id}")' in src.split("### BEGIN HIDDEN TESTS")[-1], (
+            f"{ex.grade_id}: its hidden part must call verdict({ex.grade_id!r})"
+        )
+
+
+# --- real autograde runs ---------------------------------------------------------------
+
+
+def _leftover_processes(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmd and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def autograde_class(course: Path, lab: str, students, extra_args=()) -> str:
+    submitted = course / "grading" / "submitted"
+    sample_class.write_class(submitted, students=students, only_labs=[lab])
+    proc = run_tree(
+        [
+            sys.executable,
+            "-m",
+            "ddp_lab.grading.autograde",
+            "--root",
+            str(course),
+            "--lab",
+            lab,
+            "--jobs",
+            "2",
+            *extra_args,
+        ],
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def cell_scores(course: Path, lab: str) -> dict[str, dict[str, float]]:
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'grading' / 'gradebook.db'}") as gb:
+        out = {}
+        for sub in gb.find_assignment(lab).submissions:
+            out[sub.student.id] = {g.name: g.score for nb in sub.notebooks for g in nb.grades}
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("lab", LABS)
+def test_autograde_scores_the_sample_class(released, lab, tmp_path):
+    course = tmp_path / "course"
+    shutil.copytree(released, course)
+    students = [
+        s for s in sample_class.STUDENTS if s != "hang" or lab in sample_class.mistakes.HANGS
+    ]
+    out = autograde_class(course, lab, students)
+    print(out)
+    got = cell_scores(course, lab)
+    expected = sample_class.expected_scores(lab)
+    for student in students:
+        assert got[student] == expected[student], (
+            f"{student} in {lab}: expected {expected[student]}, got {got[student]}"
+        )
+    for line in out.splitlines():
+        if " s  graded" in line:
+            seconds = float(line.split(" s  graded")[0].split()[-1])
+            assert seconds < PER_STUDENT_BUDGET_S, f"grading took too long: {line}"
+    # the cheater's edited test cells were restored from the source before grading
+    cheated = load(course / "grading" / "autograded" / "cheat" / lab / f"{lab}.ipynb")
+    source = {
+        nbgrader_meta(c)["grade_id"]: source_of(c) for c in _cells("solutions", lab) if is_test(c)
+    }
+    for cell in cheated["cells"]:
+        if is_test(cell):
+            assert source_of(cell) == source[nbgrader_meta(cell)["grade_id"]]
+    assert not _leftover_processes(str(course)), "a process of the grading run survived"
+    assert not _leftover_processes("ddp_lab.grading.student")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cheating_student_would_pass_an_in_kernel_grader(released, tmp_path):
+    """Why verdicts come from outside: plain nbgrader gives the cheater points."""
+    lab = LABS[0]
+    course = tmp_path / "course"
+    shutil.copytree(released, course)
+    sample_class.write_class(course / "grading" / "submitted", students=["cheat"], only_labs=[lab])
+    # nbgrader's own pipeline: the same config without the out-of-kernel verdicts
+    config = course / "nbgrader_config.py"
+    text = config.read_text()
+    assert "    OutOfKernelVerdicts,\n" in text
+    config.write_text(text.replace("    OutOfKernelVerdicts,\n", ""))
+    proc = run_tree(
+        [NBGRADER, "autograde", lab, "--create", "--force"], cwd=str(course), timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = cell_scores(course, lab)["cheat"]
+    assert sum(scores.values()) > 0, "the cheat does not even fool an in-kernel grader"
