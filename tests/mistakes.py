@@ -1,25 +1,30 @@
-"""Typical student mistakes, one per exercise, keyed by lab and solution cell ``grade_id``.
+"""Typical student mistakes, collected from ``tests/mistakes_labNN.py`` (one file per lab).
 
-``MISTAKES[lab]`` replaces every solution cell of the release at once (the exercises of a
-lab are independent, so each mistake must cost exactly its own exercise's points).
-``HANGS[lab]`` replaces cells of the solutions with code whose torchrun job deadlocks;
-``HANG_LOSES[lab]`` lists the test cells that hang costs. ``FORGED_FILES[lab]`` are result
-files a cheating student writes by hand.
+Each ``mistakes_labNN.py`` defines
+
+- ``LAB``: the lab's name, e.g. ``"lab01_data_parallel"``;
+- ``MISTAKES``: ``{solution cell grade_id: wrong source}``, one typical wrong answer for
+  *every* exercise; all of them replace the release's cells at once, so each must cost
+  exactly its own exercise's points (the exercises of a lab are independent);
+- ``HANGS`` (optional): ``{solution cell grade_id: source}`` whose torchrun job deadlocks,
+  put into the solutions; ``HANG_LOSES``: the test cells that hang costs;
+- ``FORGED_FILES`` (optional): ``{filename: text}`` result files a cheater writes by hand.
 """
 
 from __future__ import annotations
 
-MISTAKES: dict[str, dict[str, str]] = {
-    "lab01_data_parallel": {
-        # summing instead of averaging: the gradient of N * loss
-        "ex1_average_gradients": """
-def average_gradients(grads):
-    import torch
-    return [torch.stack(g).sum(0) for g in zip(*grads)]
-""",
-    },
-}
+import importlib
+from pathlib import Path
 
+MISTAKES: dict[str, dict[str, str]] = {}
 HANGS: dict[str, dict[str, str]] = {}
 HANG_LOSES: dict[str, list[str]] = {}
 FORGED_FILES: dict[str, dict[str, str]] = {}
+
+for _path in sorted(Path(__file__).parent.glob("mistakes_lab*.py")):
+    _mod = importlib.import_module(_path.stem)
+    MISTAKES[_mod.LAB] = _mod.MISTAKES
+    if getattr(_mod, "HANGS", None):
+        HANGS[_mod.LAB] = _mod.HANGS
+        HANG_LOSES[_mod.LAB] = list(_mod.HANG_LOSES)
+    FORGED_FILES[_mod.LAB] = dict(getattr(_mod, "FORGED_FILES", {}))
