@@ -50,6 +50,9 @@ format: $(STAMP)  ## ruff format and autofix
 lab3: $(STAMP)  ## lab 3's DDP workload on every GPU (or 2 CPU processes) into results/lab3/
 	$(PY) -m ddp_lab.lab3 $(LAB3_ARGS)
 
+bench: $(STAMP)  ## trainer vs plain PyTorch throughput, 1 and 2 processes (results/bench/)
+	$(PY) -m ddp_lab.bench $(BENCH_ARGS)
+
 lab: $(STAMP)  ## JupyterLab (with nbgrader's extensions) on the course
 	$(VENV)/bin/jupyter lab
 

@@ -1,0 +1,328 @@
+"""Figures of lab 1 (data parallelism in one process), one function per concept.
+
+Every function returns a matplotlib Figure that is already closed for pyplot, so a
+notebook cell that ends with the call shows it exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import matplotlib
+
+if not os.environ.get("DISPLAY") and "inline" not in matplotlib.get_backend().lower():
+    matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+
+COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3")
+GREY = "#8C8C8C"
+
+
+def _done(fig: Figure) -> Figure:
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def _box(ax, x, y, w, h, text, color, alpha=0.25, fontsize=9):
+    ax.add_patch(
+        FancyBboxPatch(
+            (x, y), w, h, boxstyle="round,pad=0.02", facecolor=color, edgecolor=color, alpha=alpha
+        )
+    )
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
+
+
+def _arrow(ax, start, end, color="black"):
+    ax.add_patch(
+        FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, color=color, lw=1)
+    )
+
+
+def data_parallel_step(sizes: Sequence[int] = (4, 4, 3)) -> Figure:
+    """One data-parallel step: a batch cut into shards, one replica per shard, gradients combined.
+
+    Args:
+        sizes: the shard sizes ``B_k`` (their sum is the batch size ``B``).
+
+    Returns:
+        The figure: the batch as a row of samples coloured by shard, a replica per shard
+        computing the shard's mean-loss gradient ``g_k``, and the combination
+        ``g = sum_k (B_k / B) g_k``.
+
+    Example:
+        >>> fig = data_parallel_step((2, 2))
+        >>> len(fig.axes)
+        1
+    """
+    n, total = len(sizes), sum(sizes)
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.9 * n))
+    height = 0.9 * n
+    ax.set_xlim(0, 10)
+    ax.set_ylim(-0.2, height + 0.45)
+    ax.axis("off")
+    ax.text(0.9, height + 0.25, f"batch of B = {total} samples", ha="center", fontsize=10)
+    cell = height / total
+    row_y = []
+    start = 0
+    for k, size in enumerate(sizes):
+        color = COLORS[k % len(COLORS)]
+        for i in range(size):
+            y = height - (start + i + 1) * cell
+            ax.add_patch(
+                FancyBboxPatch(
+                    (0.6, y + 0.1 * cell),
+                    0.6,
+                    0.8 * cell,
+                    boxstyle="square,pad=0",
+                    facecolor=color,
+                    edgecolor="white",
+                    alpha=0.8,
+                )
+            )
+        mid = height - (start + size / 2) * cell
+        start += size
+        y = height - (k + 0.5) * (height / n)
+        row_y.append(y)
+        _arrow(ax, (1.25, mid), (2.4, y), color=color)
+        _box(
+            ax,
+            2.45,
+            y - 0.3,
+            3.1,
+            0.6,
+            f"replica {k}: same weights\nloss on its {size} samples -> $g_{k}$",
+            color,
+        )
+        _arrow(ax, (5.6, y), (6.7, height / 2), color=color)
+    weights = " + ".join(f"{s}/{total} $g_{k}$" for k, s in enumerate(sizes))
+    _box(
+        ax,
+        6.75,
+        height / 2 - 0.45,
+        3.2,
+        0.9,
+        f"full-batch gradient\n$g$ = {weights}",
+        GREY,
+        alpha=0.2,
+    )
+    ax.set_title(
+        "Data parallelism: split the batch, run a replica per shard, combine gradients", fontsize=10
+    )
+    return _done(fig)
+
+
+def dataparallel_timeline(n: int = 3) -> Figure:
+    """What ``nn.DataParallel`` does in one training step, device by device, in time order.
+
+    Args:
+        n: number of devices (rows); device 0 holds the model and the batch.
+
+    Returns:
+        The figure: one row per device and one column per phase (replicate, scatter,
+        parallel_apply, gather + loss, backward, reduce gradients). Arrows show every
+        transfer; all of them start or end on device 0.
+
+    Example:
+        >>> fig = dataparallel_timeline(2)
+        >>> len(fig.axes)
+        1
+    """
+    phases = [
+        ("replicate", "copy the weights\nto every device", "out"),
+        ("scatter", "cut the batch,\nsend the chunks", "out"),
+        ("parallel_apply", "forward, one\nPython thread each", "all"),
+        ("gather", "outputs to device 0,\nloss there", "in"),
+        ("backward", "output grads out,\nbackward per replica", "all"),
+        ("reduce", "sum the gradients\non device 0", "in"),
+    ]
+    width, gap = 1.6, 0.25
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.7 * n))
+    ax.set_xlim(-1.0, len(phases) * (width + gap))
+    ax.set_ylim(-0.8 * (n - 1) - 0.35, 1.3)
+    ax.axis("off")
+
+    def row(d):
+        return -0.8 * d
+
+    for d in range(n):
+        ax.text(
+            -0.95,
+            row(d),
+            f"device {d}",
+            va="center",
+            fontsize=9,
+            fontweight="bold" if d == 0 else None,
+        )
+    slot = width / max(1, n - 1)
+    for p, (name, what, kind) in enumerate(phases):
+        x0 = p * (width + gap)
+        color = COLORS[p % len(COLORS)]
+        ax.text(x0 + width / 2, 1.0, name, ha="center", fontsize=9, fontweight="bold")
+        ax.text(x0 + width / 2, 0.52, what, ha="center", va="center", fontsize=7.5)
+        if kind == "all":
+            for d in range(n):
+                _box(ax, x0, row(d) - 0.25, width, 0.5, "", color)
+            continue
+        # a transfer: device 0 is busy for the whole phase, device d only for its turn
+        label = {"out": f"sends {n - 1}x", "in": f"receives {n - 1}x"}[kind]
+        if name == "gather":
+            label += ", loss"
+        _box(ax, x0, row(0) - 0.25, width, 0.5, label, color, alpha=0.45, fontsize=8)
+        for d in range(1, n):
+            xs = x0 + (d - 1) * slot
+            _box(ax, xs + 0.03, row(d) - 0.25, slot - 0.06, 0.5, "", color)
+            top, bottom = (row(0) - 0.25, row(d) + 0.25)
+            mid = xs + slot / 2
+            if kind == "out":
+                _arrow(ax, (mid, top), (mid, bottom))
+            else:
+                _arrow(ax, (mid, bottom), (mid, top))
+    ax.set_title(
+        "nn.DataParallel, one training step: every transfer goes through device 0", fontsize=10
+    )
+    return _done(fig)
+
+
+def imbalance_error(
+    small_sizes: Sequence[int],
+    plain: Sequence[float],
+    weighted: Sequence[float],
+    batch: int,
+) -> Figure:
+    """Relative gradient error of two shards, against how unequal they are.
+
+    Args:
+        small_sizes: the size of the smaller shard for each point (the other holds
+            ``batch - small``).
+        plain: relative error of the plain average of the two shard gradients.
+        weighted: relative error of the size-weighted combination.
+        batch: the batch size ``B``.
+
+    Returns:
+        The figure (log-scale y; errors of 0 are drawn at machine precision).
+
+    Example:
+        >>> fig = imbalance_error([1, 2], [0.5, 0.3], [1e-17, 2e-17], batch=4)
+        >>> len(fig.axes)
+        1
+    """
+    floor = 1e-17
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    ax.semilogy(
+        small_sizes,
+        [max(e, floor) for e in plain],
+        "o-",
+        color=COLORS[3],
+        label="plain average  (g_0 + g_1) / 2",
+    )
+    ax.semilogy(
+        small_sizes,
+        [max(e, floor) for e in weighted],
+        "s-",
+        color=COLORS[2],
+        label="weighted  (B_0 g_0 + B_1 g_1) / B",
+    )
+    ax.axvline(batch / 2, color=GREY, ls="--", lw=1)
+    ax.text(batch / 2, ax.get_ylim()[1], "equal shards ", ha="right", va="top", fontsize=8, color=GREY)
+    ax.set_xlabel(f"size of the smaller shard (batch B = {batch})")
+    ax.set_ylabel("|g_combined - g_full| / |g_full|")
+    ax.set_title(
+        "Unequal shards: the plain average is biased, the weighted one is exact", fontsize=10
+    )
+    ax.legend(fontsize=8, loc="center right")
+    return _done(fig)
+
+
+def shard_statistics(shard_means, global_mean, feature_names: Sequence[str] | None = None):
+    """Per-shard means of a few features next to the mean over the whole batch.
+
+    Args:
+        shard_means: ``(n_shards, n_features)`` means each replica's BatchNorm would use.
+        global_mean: ``(n_features,)`` mean over the whole batch.
+        feature_names: labels of the features (default ``feature 0`` ...).
+
+    Returns:
+        The figure: one group of bars per feature (a bar per shard) and a black line at
+        the batch mean.
+
+    Example:
+        >>> import torch
+        >>> fig = shard_statistics(torch.zeros(2, 3), torch.zeros(3))
+        >>> len(fig.axes)
+        1
+    """
+    means = [[float(v) for v in row] for row in shard_means]
+    overall = [float(v) for v in global_mean]
+    n, c = len(means), len(overall)
+    names = list(feature_names or [f"feature {j}" for j in range(c)])
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    w = 0.8 / n
+    for k in range(n):
+        ax.bar(
+            [j - 0.4 + (k + 0.5) * w for j in range(c)],
+            means[k],
+            width=w,
+            color=COLORS[k % len(COLORS)],
+            alpha=0.85,
+            label=f"shard {k}",
+        )
+    for j in range(c):
+        ax.hlines(
+            overall[j],
+            j - 0.45,
+            j + 0.45,
+            color="black",
+            lw=2,
+            label="whole batch" if j == 0 else None,
+        )
+    ax.axhline(0, color=GREY, lw=0.5)
+    ax.set_xticks(range(c), names)
+    ax.set_ylabel("mean BatchNorm would subtract")
+    ax.set_title("Each replica normalises with its own shard's statistics", fontsize=10)
+    ax.legend(fontsize=8, ncol=n + 1, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    return _done(fig)
+
+
+def step_time_curves(
+    devices: Sequence[int],
+    times: Mapping[str, Sequence[float]],
+    ideal: Sequence[float] | None = None,
+) -> Figure:
+    """Predicted step time and speed-up against the number of devices.
+
+    Args:
+        devices: device counts ``n`` (the first one is the baseline of the speed-up).
+        times: ``label -> step time (s) for each n``, e.g. ``{"nn.DataParallel": [...],
+            "DDP": [...]}``.
+        ideal: optional perfectly parallel times (``compute / n``), drawn dashed.
+
+    Returns:
+        The figure, with two panels: step time (s) and speed-up over the first count.
+
+    Example:
+        >>> fig = step_time_curves([1, 2], {"a": [1.0, 0.6]}, ideal=[1.0, 0.5])
+        >>> len(fig.axes)
+        2
+    """
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    if ideal is not None:
+        ax1.plot(devices, ideal, "--", color=GREY, label="ideal (compute / n)")
+        ax2.plot(devices, [ideal[0] / t for t in ideal], "--", color=GREY, label="ideal")
+    for i, (label, ts) in enumerate(times.items()):
+        ax1.plot(devices, ts, "o-", color=COLORS[i % len(COLORS)], label=label)
+        ax2.plot(devices, [ts[0] / t for t in ts], "o-", color=COLORS[i % len(COLORS)], label=label)
+    ax1.set_xlabel("devices n")
+    ax1.set_ylabel("seconds per step")
+    ax1.set_ylim(bottom=0)
+    ax2.set_xlabel("devices n")
+    ax2.set_ylabel("speed-up over n = 1")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(devices))
+        ax.legend(fontsize=8)
+    fig.suptitle("Cost model: where nn.DataParallel stops scaling", fontsize=10)
+    return _done(fig)

@@ -1,0 +1,139 @@
+"""The out-of-kernel grader on the self-test lab: right, wrong, hanging, crashing and
+cheating student code, each judged in fresh processes on fresh inputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ddp_lab.grading.authoring import notebook, solution
+from ddp_lab.grading.verdict import judge_notebook
+
+LAB = "lab00_selftest"
+GOOD_ADD = "def add(a, b):\n    return a + b"
+GOOD_SUM = '''%%writefile rank_sum.py
+import torch
+import torch.distributed as dist
+
+def rank_sum(t):
+    """Sum t over all ranks, in place, with send/recv through rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        buf = torch.empty_like(t)
+        for src in range(1, world):
+            dist.recv(buf, src=src)
+            t += buf
+        for dst in range(1, world):
+            dist.send(t, dst=dst)
+    else:
+        dist.send(t, dst=0)
+        dist.recv(t, src=0)
+'''
+
+
+def _nb(add: str = GOOD_ADD, rank_sum: str = GOOD_SUM) -> dict:
+    return notebook([solution("add", add), solution("rank_sum", rank_sum)])
+
+
+def _judge(nb, *ids):
+    return judge_notebook(nb, LAB, list(ids) or None)
+
+
+@pytest.mark.timeout(180)
+def test_correct_code_passes_both_exercises():
+    v = _judge(_nb())
+    assert v["test_add"].passed, v["test_add"]
+    assert v["test_rank_sum"].passed, v["test_rank_sum"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "source,reason",
+    [
+        ("def add(a, b):\n    return a - b", "max abs difference"),
+        ("def add(a, b):\n    raise NotImplementedError()", "NotImplementedError"),
+        ("def add(a, b):\n    return (a + b)[:-1]", "expected shape"),
+        ("def add(a, b):\n    return 'a + b'", "expected a tensor"),
+        ("def plus(a, b):\n    return a + b", "KeyError"),
+        ("def add(a, b):\n    while True:\n        pass", "did not finish"),
+        ("import os\ndef add(a, b):\n    os._exit(0)", "no outputs"),
+    ],
+    ids=["wrong", "stub", "shape", "type", "renamed", "hang", "exit"],
+)
+def test_wrong_code_fails_with_a_reason(source, reason):
+    v = _judge(_nb(add=source), "test_add")["test_add"]
+    assert not v.passed
+    assert reason in v.message, v.message
+
+
+@pytest.mark.timeout(60)
+def test_cheating_inside_the_student_process_does_not_help():
+    # Disarm every comparison and forge the outputs file with the "right" numbers for
+    # inputs the student can read: the judge loads the grader's own copy of the inputs.
+    cheat = '''
+import torch, os
+torch.allclose = lambda *a, **k: True
+inputs = torch.load("inputs.pt", weights_only=True)
+torch.save({"a": torch.zeros_like(inputs["a"]), "b": torch.zeros_like(inputs["b"])},
+           "inputs.pt")
+def add(a, b):
+    return torch.zeros_like(a)
+'''
+    v = _judge(_nb(add=cheat), "test_add")["test_add"]
+    assert not v.passed, v
+
+
+@pytest.mark.timeout(60)
+def test_pickled_code_in_outputs_is_refused():
+    cheat = '''
+import torch, atexit
+class Evil:
+    def __reduce__(self):
+        return (print, ("owned",))
+def add(a, b):
+    atexit.register(lambda: torch.save({"sum": Evil()}, "outputs.pt"))
+    return a + b
+'''
+    v = _judge(_nb(add=cheat), "test_add")["test_add"]
+    assert not v.passed and "could not be read" in v.message, v
+
+
+@pytest.mark.timeout(60)
+def test_a_kernel_side_forged_file_is_ignored(tmp_path, monkeypatch):
+    # Files lying around where the notebook ran are never read: verdicts start from source.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rank_sum.py").write_text("def rank_sum(t):\n    pass\n")
+    v = _judge(_nb(), "test_rank_sum")["test_rank_sum"]
+    assert v.passed, v
+
+
+@pytest.mark.timeout(120)
+def test_forbidden_collective_and_deadlock_fail():
+    uses_all_reduce = "%%writefile rank_sum.py\nimport torch.distributed as dist\n" \
+        "def rank_sum(t):\n    dist.all_reduce(t)\n"
+    v = _judge(_nb(rank_sum=uses_all_reduce), "test_rank_sum")["test_rank_sum"]
+    assert not v.passed and "not allowed" in v.message, v
+    deadlock = "%%writefile rank_sum.py\nimport torch.distributed as dist\n" \
+        "def rank_sum(t):\n    dist.recv(t, src=(dist.get_rank() + 1) % dist.get_world_size())\n"
+    before = set(os.listdir("/proc"))
+    v = _judge(_nb(rank_sum=deadlock), "test_rank_sum")["test_rank_sum"]
+    assert not v.passed, v
+    leftovers = []
+    for pid in set(os.listdir("/proc")) - before:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ddp_lab.grading" in f.read():
+                    leftovers.append(pid)
+        except OSError:
+            pass
+    assert not leftovers, f"processes of the hanging job survived: {leftovers}"
+
+
+@pytest.mark.timeout(60)
+def test_in_kernel_verdict_under_autograde_only_defers(monkeypatch, capsys):
+    from ddp_lab.checks import lab00
+
+    monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
+    lab00.verdict("test_add")
+    assert "judged by the grader" in capsys.readouterr().out
