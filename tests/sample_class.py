@@ -9,7 +9,8 @@ Students (one folder each, every lab in ``labs/``):
 - ``mistake``: the release with one typical wrong answer per exercise (``tests/mistakes.py``);
 - ``hang``: the solutions, except that a distributed exercise deadlocks (labs with one);
 - ``cheat``: the release with no-op stubs, a cell that monkeypatches every comparison and
-  every public check function, and result files forged where the lab writes any.
+  every public check function, test cells edited to print success, and result files
+  forged where the lab writes any.
 
 ``expected_scores(lab)`` says what each student must score.
 """

@@ -125,3 +125,27 @@ def test_outputs_have_the_documented_fields(trainer):
 
     state = torch.load(out / "model.pt", weights_only=True)
     assert "net.1.weight" in state  # a plain state dict, no "module." prefix
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_later_lab_flags_reach_the_trainer_through_torchrun(tmp_path):
+    """Flags of features still to come pass torchrun's parser and get our clear message."""
+    later = [
+        "--ckpt-dir",
+        str(tmp_path / "ck"),
+        "--ckpt-every",
+        "5",
+        "--keep-last",
+        "2",
+        "--resume",
+        "--rollback-drop",
+        "5",
+        "--fail-at-step",
+        "3",
+        "--sync-bn",
+    ]
+    proc = run_trainer([*later, "--out", str(tmp_path / "out")], nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "not available yet" in proc.stderr
+    assert "unrecognized arguments" not in proc.stderr

@@ -71,7 +71,7 @@ def test_wrong_code_fails_with_a_reason(source, reason):
 def test_cheating_inside_the_student_process_does_not_help():
     # Disarm every comparison and forge the outputs file with the "right" numbers for
     # inputs the student can read: the judge loads the grader's own copy of the inputs.
-    cheat = '''
+    cheat = """
 import torch, os
 torch.allclose = lambda *a, **k: True
 inputs = torch.load("inputs.pt", weights_only=True)
@@ -79,14 +79,14 @@ torch.save({"a": torch.zeros_like(inputs["a"]), "b": torch.zeros_like(inputs["b"
            "inputs.pt")
 def add(a, b):
     return torch.zeros_like(a)
-'''
+"""
     v = _judge(_nb(add=cheat), "test_add")["test_add"]
     assert not v.passed, v
 
 
 @pytest.mark.timeout(60)
 def test_pickled_code_in_outputs_is_refused():
-    cheat = '''
+    cheat = """
 import torch, atexit
 class Evil:
     def __reduce__(self):
@@ -94,7 +94,7 @@ class Evil:
 def add(a, b):
     atexit.register(lambda: torch.save({"sum": Evil()}, "outputs.pt"))
     return a + b
-'''
+"""
     v = _judge(_nb(add=cheat), "test_add")["test_add"]
     assert not v.passed and "could not be read" in v.message, v
 
@@ -110,12 +110,16 @@ def test_a_kernel_side_forged_file_is_ignored(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_forbidden_collective_and_deadlock_fail():
-    uses_all_reduce = "%%writefile rank_sum.py\nimport torch.distributed as dist\n" \
+    uses_all_reduce = (
+        "%%writefile rank_sum.py\nimport torch.distributed as dist\n"
         "def rank_sum(t):\n    dist.all_reduce(t)\n"
+    )
     v = _judge(_nb(rank_sum=uses_all_reduce), "test_rank_sum")["test_rank_sum"]
     assert not v.passed and "not allowed" in v.message, v
-    deadlock = "%%writefile rank_sum.py\nimport torch.distributed as dist\n" \
+    deadlock = (
+        "%%writefile rank_sum.py\nimport torch.distributed as dist\n"
         "def rank_sum(t):\n    dist.recv(t, src=(dist.get_rank() + 1) % dist.get_world_size())\n"
+    )
     before = set(os.listdir("/proc"))
     v = _judge(_nb(rank_sum=deadlock), "test_rank_sum")["test_rank_sum"]
     assert not v.passed, v
@@ -137,3 +141,10 @@ def test_in_kernel_verdict_under_autograde_only_defers(monkeypatch, capsys):
     monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
     lab00.verdict("test_add")
     assert "judged by the grader" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_solution_cells_may_not_use_the_reference_answers():
+    lazy = "from ddp_lab.checks import lab00\ndef add(a, b):\n    return a + b"
+    v = _judge(_nb(add=lazy), "test_add")["test_add"]
+    assert not v.passed and "reference answer" in v.message, v

@@ -24,8 +24,14 @@ KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "nam
 
 
 def _meta(name: str, *, solution: bool, grade: bool, locked: bool, points: float | None):
-    meta = {"grade": grade, "grade_id": name, "locked": locked, "schema_version": 3,
-            "solution": solution, "task": False}
+    meta = {
+        "grade": grade,
+        "grade_id": name,
+        "locked": locked,
+        "schema_version": 3,
+        "solution": solution,
+        "task": False,
+    }
     if points is not None:
         meta["points"] = points
     return {"nbgrader": meta}
@@ -33,21 +39,36 @@ def _meta(name: str, *, solution: bool, grade: bool, locked: bool, points: float
 
 def md(name: str, text: str) -> dict:
     """A locked markdown cell (students read it; nbgrader restores it if edited)."""
-    return {"cell_type": "markdown", "id": name, "source": text.strip("\n"),
-            "metadata": _meta(name, solution=False, grade=False, locked=True, points=None)}
+    return {
+        "cell_type": "markdown",
+        "id": name,
+        "source": text.strip("\n"),
+        "metadata": _meta(name, solution=False, grade=False, locked=True, points=None),
+    }
 
 
 def code(name: str, text: str, locked: bool = True) -> dict:
     """A code cell students run but do not edit (set-up, demos, plots)."""
-    return {"cell_type": "code", "id": name, "source": text.strip("\n"), "metadata":
-            _meta(name, solution=False, grade=False, locked=locked, points=None),
-            "execution_count": None, "outputs": []}
+    return {
+        "cell_type": "code",
+        "id": name,
+        "source": text.strip("\n"),
+        "metadata": _meta(name, solution=False, grade=False, locked=locked, points=None),
+        "execution_count": None,
+        "outputs": [],
+    }
 
 
 def free(name: str, text: str = "") -> dict:
     """A plain code cell without nbgrader metadata (a scratch cell for the student)."""
-    return {"cell_type": "code", "id": name, "source": text.strip("\n"), "metadata": {},
-            "execution_count": None, "outputs": []}
+    return {
+        "cell_type": "code",
+        "id": name,
+        "source": text.strip("\n"),
+        "metadata": {},
+        "execution_count": None,
+        "outputs": [],
+    }
 
 
 def solution(name: str, text: str) -> dict:
@@ -66,8 +87,12 @@ def test(name: str, text: str, points: float) -> dict:
 
 def notebook(cells: list[dict]) -> dict:
     """A notebook (nbformat 4.5) of ``cells``."""
-    return {"cells": cells, "metadata": {"kernelspec": KERNELSPEC, "language_info": {
-        "name": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+    return {
+        "cells": cells,
+        "metadata": {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
 
 
 def clean(nb: Mapping) -> dict:

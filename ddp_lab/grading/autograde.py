@@ -35,7 +35,7 @@ def network_sandbox() -> list[str] | None:
     """
     if not sys.platform.startswith("linux") or not shutil.which("unshare"):
         return None
-    lo_up = "ip link set lo up 2>/dev/null || true; exec \"$@\""
+    lo_up = 'ip link set lo up 2>/dev/null || true; exec "$@"'
     for flags in (["-n"], ["-rn"]):
         prefix = ["unshare", *flags, "sh", "-c", lo_up, "sandbox"]
         try:
@@ -90,33 +90,48 @@ def scores(root: Path) -> dict[tuple[str, str], tuple[float, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--root", default=".", help="course root (holds nbgrader_config.py)")
     p.add_argument("--lab", action="append", help="only this lab (repeatable)")
     p.add_argument("--student", action="append", help="only this student (repeatable)")
-    p.add_argument("--jobs", type=int, default=max(1, min(2, (os.cpu_count() or 2) // 2)),
-                   help="students graded at once")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(2, (os.cpu_count() or 2) // 2)),
+        help="students graded at once",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per student and lab")
-    p.add_argument("--network", choices=["auto", "off", "on"], default="auto",
-                   help="off: no network for student code (fails where impossible); "
-                   "auto: off where the platform allows it")
+    p.add_argument(
+        "--network",
+        choices=["auto", "off", "on"],
+        default="auto",
+        help="off: no network for student code (fails where impossible); "
+        "auto: off where the platform allows it",
+    )
     args = p.parse_args(argv)
     root = Path(args.root).resolve()
     sandbox = None
     if args.network != "on":
         sandbox = network_sandbox()
         if sandbox is None and args.network == "off":
-            print(f"{PROG}: error: cannot cut the network here (no usable `unshare`); "
-                  "use --network on, or grade inside a container (see README)", file=sys.stderr)
+            print(
+                f"{PROG}: error: cannot cut the network here (no usable `unshare`); "
+                "use --network on, or grade inside a container (see README)",
+                file=sys.stderr,
+            )
             return 2
     pairs = submissions(root, args.lab, args.student)
     if not pairs:
         print(f"{PROG}: no submissions under {root / 'grading' / 'submitted'}", file=sys.stderr)
         return 1
     net = "no network" if sandbox else "network on"
-    print(f"{PROG}: {len(pairs)} submission(s), {args.jobs} at a time, "
-          f"{args.timeout:g} s each, {net}", flush=True)
+    print(
+        f"{PROG}: {len(pairs)} submission(s), {args.jobs} at a time, "
+        f"{args.timeout:g} s each, {net}",
+        flush=True,
+    )
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(lambda sl: grade_one(root, *sl, args.timeout, sandbox), pairs))

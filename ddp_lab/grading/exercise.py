@@ -43,6 +43,9 @@ class Exercise:
             ``world_size``.
         forbid: ``torch.distributed`` functions that raise while the student's code runs
             (e.g. ``all_reduce`` in a hand-written ring).
+        forbid_modules: modules the solution cells may not mention (the reference the
+            exercise asks students to rewrite, e.g. ``ddp_lab.collectives``);
+            ``ddp_lab.checks`` is always forbidden.
         timeout: seconds the student process may take in total.
     """
 
@@ -54,6 +57,7 @@ class Exercise:
     run: Callable[[dict, dict, Path], dict] | None = None
     run_rank: Callable[[dict, dict, dict, int, int], Any] | None = None
     forbid: tuple[str, ...] = ()
+    forbid_modules: tuple[str, ...] = ()
     timeout: float = 60.0
     points_note: str = field(default="", compare=False)
 

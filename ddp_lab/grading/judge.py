@@ -4,7 +4,8 @@
 each exercise's inputs (checking their SHA-256 against the grader's, so a student process
 cannot swap them) and outputs with ``torch.load(weights_only=True)`` (which refuses
 pickled code), calls the exercise's ``judge``, and prints one JSON object:
-``{grade_id: {"passed": bool, "message": str}}``.
+``{grade_id: {"passed": bool, "message": str}}``. It refuses to judge when a ``ddp_lab``
+file it ran differs from the hashes the grader took before any student code ran.
 """
 
 from __future__ import annotations
@@ -25,14 +26,29 @@ def sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def package_digest() -> str:
-    """SHA-256 over the source files of ``ddp_lab``: the grader's code must not change."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def package_hashes() -> dict[str, str]:
+    """``relative path -> SHA-256`` of every source file of ``ddp_lab``."""
+    return {str(p.relative_to(PACKAGE_ROOT)): sha256(p) for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def changed_modules(hashes: dict[str, str]) -> list[str]:
+    """The ``ddp_lab`` files loaded in this process whose content differs from ``hashes``.
+
+    The judge checks the code it actually ran (the lab's checks module and what that
+    imports) against the hashes the grader took before any student code ran.
+    """
+    changed = []
+    for mod in list(sys.modules.values()):
+        path = getattr(mod, "__file__", None)
+        if not path or not Path(path).resolve().is_relative_to(PACKAGE_ROOT):
+            continue
+        rel = str(Path(path).resolve().relative_to(PACKAGE_ROOT))
+        if hashes.get(rel) != sha256(path):
+            changed.append(rel)
+    return sorted(changed)
 
 
 def judge_one(lab: str, item: dict) -> dict:
@@ -50,18 +66,25 @@ def judge_one(lab: str, item: dict) -> dict:
     except CheckFailed as err:
         return {"passed": False, "message": str(err)}
     except Exception as err:  # noqa: BLE001 - malformed outputs (wrong type or shape)
-        return {"passed": False,
-                "message": f"unexpected result ({type(err).__name__}: {err})"[:500]}
+        return {
+            "passed": False,
+            "message": f"unexpected result ({type(err).__name__}: {err})"[:500],
+        }
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    if package_digest() != spec["package_digest"]:
-        verdicts = {item["grade_id"]: {"passed": False, "message":
-                    "ddp_lab's files changed while grading: the grader was tampered with"}
-                    for item in spec["items"]}
-    else:
-        verdicts = {item["grade_id"]: judge_one(spec["lab"], item) for item in spec["items"]}
+    verdicts = {item["grade_id"]: judge_one(spec["lab"], item) for item in spec["items"]}
+    changed = changed_modules(spec["package_hashes"])  # after judging: all imports are done
+    if changed:
+        verdicts = {
+            gid: {
+                "passed": False,
+                "message": "the grader's code changed while "
+                f"grading ({', '.join(changed)}): refusing to judge",
+            }
+            for gid in verdicts
+        }
     print(json.dumps(verdicts))
     return 0
 

@@ -40,16 +40,30 @@ def rewrite_outputs(cell: NotebookNode, passed: bool, message: str) -> None:
     kernel_text = "".join(_output_text(o) for o in cell.get("outputs", [])).strip()
     outputs = []
     if kernel_text:
-        outputs.append(NotebookNode(output_type="stream", name="stdout", text=(
-            "In your kernel (feedback only, not graded):\n" + kernel_text + "\n")))
+        outputs.append(
+            NotebookNode(
+                output_type="stream",
+                name="stdout",
+                text=("In your kernel (feedback only, not graded):\n" + kernel_text + "\n"),
+            )
+        )
     if passed:
-        outputs.append(NotebookNode(output_type="stream", name="stdout", text=(
-            f"Grader (outside your kernel, fresh inputs): PASSED - {message}\n")))
+        outputs.append(
+            NotebookNode(
+                output_type="stream",
+                name="stdout",
+                text=(f"Grader (outside your kernel, fresh inputs): PASSED - {message}\n"),
+            )
+        )
     else:
-        outputs.append(NotebookNode(
-            output_type="error", ename="VerdictFailed", evalue=message,
-            traceback=[f"Grader (outside your kernel, fresh inputs): FAILED - {message}"],
-        ))
+        outputs.append(
+            NotebookNode(
+                output_type="error",
+                ename="VerdictFailed",
+                evalue=message,
+                traceback=[f"Grader (outside your kernel, fresh inputs): FAILED - {message}"],
+            )
+        )
     cell.outputs = outputs
 
 
@@ -63,8 +77,9 @@ class OutOfKernelVerdicts(NbGraderPreprocessor):
             table = exercises(lab)
         except KeyError:
             table = {}
-        known = [nbgrader_meta(c)["grade_id"] for c in tests
-                 if nbgrader_meta(c)["grade_id"] in table]
+        known = [
+            nbgrader_meta(c)["grade_id"] for c in tests if nbgrader_meta(c)["grade_id"] in table
+        ]
         from ddp_lab.grading.verdict import judge_notebook
 
         verdicts = judge_notebook(nb, lab, known) if known else {}

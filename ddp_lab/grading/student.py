@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -28,18 +29,46 @@ from ddp_lab.grading.notebook import split_magics
 OUTPUTS = "outputs.pt"
 
 
-def build_namespace(workdir: Path, cells: list[str], write_files: bool = True) -> dict:
+def mentions(source: str, module: str) -> bool:
+    """True when ``source`` names ``module`` (``a.b`` or ``from a import b``).
+
+    Example:
+        >>> mentions("from ddp_lab import checks as c", "ddp_lab.checks")
+        True
+    """
+    package, _, leaf = module.rpartition(".")
+    pattern = rf"from\s+{re.escape(package)}\s+import\s+[^\n]*\b{re.escape(leaf)}\b"
+    return module in source or bool(package and re.search(pattern, source))
+
+
+#: Modules no solution cell may use: they hold the reference answers.
+ALWAYS_FORBIDDEN = ("ddp_lab.checks",)
+
+
+def build_namespace(
+    workdir: Path, cells: list[str], write_files: bool = True, forbid_modules: tuple[str, ...] = ()
+) -> dict:
     """Execute the solution cells (in order) in a fresh namespace; write their files.
 
     A ``%%writefile NAME`` cell becomes the file ``workdir/NAME`` (unless ``write_files``
     is False: torchrun ranks reuse what the parent wrote). The namespace's ``__name__`` is
     ``"__student__"``, so ``if __name__ == "__main__":`` blocks do not run.
+
+    Raises:
+        PermissionError: a cell mentions a forbidden module (``ddp_lab.checks`` and the
+            exercise's ``forbid_modules``).
     """
     sources = json.loads((workdir / "cells.json").read_text())
     ns: dict = {"__name__": "__student__"}
     for grade_id in cells:
         if grade_id not in sources:
             raise LookupError(f"the notebook has no solution cell {grade_id!r} (deleted?)")
+        for name in (*ALWAYS_FORBIDDEN, *forbid_modules):
+            if mentions(sources[grade_id], name):
+                raise PermissionError(
+                    f"solution cell {grade_id} uses {name}, which holds the reference "
+                    "answer: write the code yourself"
+                )
         code, files = split_magics(sources[grade_id])
         for name, text in files.items() if write_files else ():
             (workdir / name).write_text(text)
@@ -72,7 +101,9 @@ def run_rank_worker(lab: str, grade_id: str, workdir: Path, case_index: int) -> 
     case = inputs["cases"][case_index]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ns = build_namespace(workdir, list(ex.cells), write_files=False)
+    ns = build_namespace(
+        workdir, list(ex.cells), write_files=False, forbid_modules=ex.forbid_modules
+    )
     saved = {name: getattr(dist, name) for name in ex.forbid}
     for name in ex.forbid:
         setattr(dist, name, _forbidden(name))
@@ -90,19 +121,28 @@ def run_distributed(ex: Exercise, lab: str, inputs: dict, workdir: Path) -> dict
     """Run every case of a distributed exercise under torchrun; collect per-rank outputs."""
     from ddp_lab.launch import LaunchError, torchrun
 
-    build_namespace(workdir, list(ex.cells))  # writes the %%writefile files once, here
+    build_namespace(workdir, list(ex.cells), forbid_modules=ex.forbid_modules)  # files
     results = []
     per_case = ex.timeout / max(1, len(inputs["cases"]))
     for i, case in enumerate(inputs["cases"]):
         try:
-            torchrun("ddp_lab.grading.student", ["--rank-worker", lab, ex.grade_id,
-                                                 str(workdir), str(i)],
-                     nproc=case["world_size"], module=True, timeout=per_case, cwd=str(workdir),
-                     stream=False)
+            torchrun(
+                "ddp_lab.grading.student",
+                ["--rank-worker", lab, ex.grade_id, str(workdir), str(i)],
+                nproc=case["world_size"],
+                module=True,
+                timeout=per_case,
+                cwd=str(workdir),
+                stream=False,
+            )
         except LaunchError as err:
             raise RuntimeError(_short(str(err))) from None
-        results.append([torch.load(workdir / f"case{i}-rank{r}.pt", weights_only=True)
-                        for r in range(case["world_size"])])
+        results.append(
+            [
+                torch.load(workdir / f"case{i}-rank{r}.pt", weights_only=True)
+                for r in range(case["world_size"])
+            ]
+        )
     return {"cases": results}
 
 
@@ -122,13 +162,19 @@ def main(argv: list[str]) -> int:
         if ex.run_rank is not None:
             outputs = run_distributed(ex, lab, inputs, workdir)
         else:
-            outputs = ex.run(build_namespace(workdir, list(ex.cells)), inputs, workdir)
+            ns = build_namespace(workdir, list(ex.cells), forbid_modules=ex.forbid_modules)
+            outputs = ex.run(ns, inputs, workdir)
     except Exception as err:  # the student's error, reported as the verdict's reason
         tb = traceback.extract_tb(err.__traceback__)
-        where = next((f"{f.filename}, line {f.lineno}" for f in reversed(tb)
-                      if f.filename.startswith("<cell")), None)
-        print(f"{type(err).__name__}: {err}" + (f" ({where})" if where else ""),
-              file=sys.stderr)
+        where = next(
+            (
+                f"{f.filename}, line {f.lineno}"
+                for f in reversed(tb)
+                if f.filename.startswith("<cell")
+            ),
+            None,
+        )
+        print(f"{type(err).__name__}: {err}" + (f" ({where})" if where else ""), file=sys.stderr)
         return 1
     torch.save(outputs, workdir / OUTPUTS)
     return 0

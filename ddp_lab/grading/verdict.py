@@ -30,7 +30,7 @@ import torch
 
 from ddp_lab import proctree
 from ddp_lab.grading.exercise import Exercise, exercises, lab_of_notebook
-from ddp_lab.grading.judge import package_digest, sha256
+from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
 
 JUDGE_TIMEOUT_S = 120.0
@@ -58,9 +58,7 @@ def _student_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["MPLBACKEND"] = "Agg"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
@@ -71,8 +69,9 @@ def _last_lines(text: str, n: int = 8) -> str:
     return "\n".join(lines[-n:])
 
 
-def _run_student(ex: Exercise, lab: str, sources: Mapping[str, str], tmp: Path,
-                 private: Path, seed: int) -> tuple[dict | None, str]:
+def _run_student(
+    ex: Exercise, lab: str, sources: Mapping[str, str], tmp: Path, private: Path, seed: int
+) -> tuple[dict | None, str]:
     """Run one exercise's student process; return (judge item, "") or (None, why it failed)."""
     workdir = tmp / ex.grade_id
     workdir.mkdir()
@@ -85,18 +84,26 @@ def _run_student(ex: Exercise, lab: str, sources: Mapping[str, str], tmp: Path,
     )
     run = proctree.run(
         [sys.executable, "-m", "ddp_lab.grading.student", lab, ex.grade_id, str(workdir)],
-        timeout=ex.timeout, cwd=str(workdir), env=_student_env(),
+        timeout=ex.timeout,
+        cwd=str(workdir),
+        env=_student_env(),
     )
     if run.timed_out:
-        return None, (f"your code did not finish within {ex.timeout:g} s and was stopped "
-                      "(an endless loop, or ranks waiting for each other?)")
+        return None, (
+            f"your code did not finish within {ex.timeout:g} s and was stopped "
+            "(an endless loop, or ranks waiting for each other?)"
+        )
     if run.returncode != 0:
         why = _last_lines(run.stderr) or f"exit status {run.returncode}"
         return None, f"your code failed: {why}"
     if not (workdir / "outputs.pt").is_file():
         return None, "your code produced no outputs"
-    return {"grade_id": ex.grade_id, "inputs": str(inputs_path),
-            "inputs_sha256": sha256(inputs_path), "outputs": str(workdir / "outputs.pt")}, ""
+    return {
+        "grade_id": ex.grade_id,
+        "inputs": str(inputs_path),
+        "inputs_sha256": sha256(inputs_path),
+        "outputs": str(workdir / "outputs.pt"),
+    }, ""
 
 
 def judge_notebook(
@@ -130,7 +137,7 @@ def judge_notebook(
     table = exercises(lab)
     wanted = list(table) if grade_ids is None else list(grade_ids)
     sources = solution_sources(notebook)
-    digest = package_digest()
+    hashes = package_hashes()
     verdicts: dict[str, Verdict] = {}
     started: dict[str, float] = {}
     items = []
@@ -150,18 +157,29 @@ def judge_notebook(
                 items.append(item)
         if items:
             spec = private / "spec.json"
-            spec.write_text(json.dumps({"lab": lab, "items": items, "package_digest": digest}))
+            spec.write_text(json.dumps({"lab": lab, "items": items, "package_hashes": hashes}))
             t0 = time.monotonic()
-            run = proctree.run([sys.executable, "-m", "ddp_lab.grading.judge", str(spec)],
-                               timeout=JUDGE_TIMEOUT_S, cwd=str(private), env=_student_env())
+            run = proctree.run(
+                [sys.executable, "-m", "ddp_lab.grading.judge", str(spec)],
+                timeout=JUDGE_TIMEOUT_S,
+                cwd=str(private),
+                env=_student_env(),
+            )
             judged = {}
             if run.returncode == 0 and run.stdout.strip():
                 judged = json.loads(run.stdout.strip().splitlines()[-1])
             share = (time.monotonic() - t0) / len(items)
             for item in items:
                 gid = item["grade_id"]
-                v = judged.get(gid, {"passed": False, "message": "the judge failed: "
-                                     + (_last_lines(run.stderr, 4) or "no verdict")})
-                verdicts[gid] = Verdict(gid, table[gid].title, bool(v["passed"]),
-                                        v["message"], started[gid] + share)
+                v = judged.get(
+                    gid,
+                    {
+                        "passed": False,
+                        "message": "the judge failed: "
+                        + (_last_lines(run.stderr, 4) or "no verdict"),
+                    },
+                )
+                verdicts[gid] = Verdict(
+                    gid, table[gid].title, bool(v["passed"]), v["message"], started[gid] + share
+                )
     return {gid: verdicts[gid] for gid in wanted}
