@@ -228,7 +228,9 @@ def imbalance_error(
         label="weighted  (B_0 g_0 + B_1 g_1) / B",
     )
     ax.axvline(batch / 2, color=GREY, ls="--", lw=1)
-    ax.text(batch / 2, ax.get_ylim()[1], "equal shards ", ha="right", va="top", fontsize=8, color=GREY)
+    ax.text(
+        batch / 2, ax.get_ylim()[1], "equal shards ", ha="right", va="top", fontsize=8, color=GREY
+    )
     ax.set_xlabel(f"size of the smaller shard (batch B = {batch})")
     ax.set_ylabel("|g_combined - g_full| / |g_full|")
     ax.set_title(
