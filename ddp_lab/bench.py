@@ -80,17 +80,32 @@ def plain_ddp_worker(model_name: str, steps: int, batch: int, warmup: int = 5) -
 def trainer(model_name: str, steps: int, batch: int, nproc: int) -> float:
     """Samples/s that ``ddp_lab.train`` reports for ``steps`` steps on ``nproc`` processes."""
     with tempfile.TemporaryDirectory() as out:
-        args = ["--model", model_name, "--batch-size", str(batch), "--max-steps", str(steps),
-                "--train-size", str((steps + 1) * batch * nproc), "--test-size", "64",
-                "--backend", "gloo", "--out", out, "--no-progress"]
+        args = [
+            "--model",
+            model_name,
+            "--batch-size",
+            str(batch),
+            "--max-steps",
+            str(steps),
+            "--train-size",
+            str((steps + 1) * batch * nproc),
+            "--test-size",
+            "64",
+            "--backend",
+            "gloo",
+            "--out",
+            out,
+            "--no-progress",
+        ]
         torchrun("ddp_lab.train", args, nproc=nproc, module=True, timeout=1800, stream=False)
         with open(os.path.join(out, "summary.json")) as f:
             return json.load(f)["samples_per_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="cnn")
     p.add_argument("--steps", type=int, default=60, help="timed steps per measurement")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
@@ -105,13 +120,24 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     m, s, b, n = args.model, args.steps, args.batch_size, args.nproc
-    worker = [sys.executable, "-m", PROG, "--worker", "--model", m, "--steps", str(s),
-              "--batch-size", str(b)]
+    worker = [
+        sys.executable,
+        "-m",
+        PROG,
+        "--worker",
+        "--model",
+        m,
+        "--steps",
+        str(s),
+        "--batch-size",
+        str(b),
+    ]
     runs = {
         "plain-1": lambda: plain_loop(m, s, b),
         "ddp_lab-1": lambda: trainer(m, s, b, 1),
-        f"plain-ddp-{n}": lambda: torchrun(PROG, worker[3:], nproc=n, module=True,
-                                           timeout=1800, stream=False).result["samples_per_s"],
+        f"plain-ddp-{n}": lambda: torchrun(
+            PROG, worker[3:], nproc=n, module=True, timeout=1800, stream=False
+        ).result["samples_per_s"],
         f"ddp_lab-{n}": lambda: trainer(m, s, b, n),
     }
     results = {}
@@ -128,9 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {name:<26} {r:5.2f}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"model": m, "steps": s, "batch_per_process": b, "nproc": n,
-                   "device": "cuda" if torch.cuda.is_available() else "cpu",
-                   "samples_per_s": results, "ratios": ratios}, f, indent=2)
+        json.dump(
+            {
+                "model": m,
+                "steps": s,
+                "batch_per_process": b,
+                "nproc": n,
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "samples_per_s": results,
+                "ratios": ratios,
+            },
+            f,
+            indent=2,
+        )
     print(f"{PROG}: wrote {args.out}/bench.json", flush=True)
     return 0
 

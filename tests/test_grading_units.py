@@ -18,17 +18,32 @@ def test_writefile_cells_become_files_and_magics_are_blanked():
 
 
 def _test_cell(outputs):
-    return NotebookNode(cell_type="code", source="", outputs=outputs, metadata=NotebookNode(
-        nbgrader=NotebookNode(grade=True, solution=False, points=3, grade_id="t")))
+    return NotebookNode(
+        cell_type="code",
+        source="",
+        outputs=outputs,
+        metadata=NotebookNode(
+            nbgrader=NotebookNode(grade=True, solution=False, points=3, grade_id="t")
+        ),
+    )
 
 
-@pytest.mark.parametrize("kernel_outputs", [
-    [],
-    [NotebookNode(output_type="error", ename="CheckFailed", evalue="x", traceback=[])],
-    [NotebookNode(output_type="stream", name="stderr", text="warning\n")],
-    [NotebookNode(output_type="execute_result", data={"text/plain": "0.0"}, metadata={},
-                  execution_count=1)],
-])
+@pytest.mark.parametrize(
+    "kernel_outputs",
+    [
+        [],
+        [NotebookNode(output_type="error", ename="CheckFailed", evalue="x", traceback=[])],
+        [NotebookNode(output_type="stream", name="stderr", text="warning\n")],
+        [
+            NotebookNode(
+                output_type="execute_result",
+                data={"text/plain": "0.0"},
+                metadata={},
+                execution_count=1,
+            )
+        ],
+    ],
+)
 def test_points_follow_the_verdict_not_the_kernel(kernel_outputs):
     for passed, points in ((True, 3.0), (False, 0.0)):
         cell = _test_cell([NotebookNode(o) for o in kernel_outputs])

@@ -17,8 +17,10 @@ verdict = make_verdict(LAB)
 
 def _add_inputs(gen: torch.Generator) -> dict:
     n = int(torch.randint(3, 50, (1,), generator=gen))
-    return {"a": torch.randn(n, generator=gen, dtype=torch.float64),
-            "b": torch.randn(n, generator=gen, dtype=torch.float64)}
+    return {
+        "a": torch.randn(n, generator=gen, dtype=torch.float64),
+        "b": torch.randn(n, generator=gen, dtype=torch.float64),
+    }
 
 
 def _add_run(ns: dict, inputs: dict, workdir: Path) -> dict:
@@ -34,9 +36,14 @@ def _sum_inputs(gen: torch.Generator) -> dict:
     cases = []
     for world in (2, 3):
         n = int(torch.randint(1, 9, (1,), generator=gen))
-        cases.append({"world_size": world,
-                      "tensors": [torch.randn(n, generator=gen, dtype=torch.float64)
-                                  for _ in range(world)]})
+        cases.append(
+            {
+                "world_size": world,
+                "tensors": [
+                    torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(world)
+                ],
+            }
+        )
     return {"cases": cases}
 
 
@@ -60,9 +67,17 @@ def _sum_judge(inputs: dict, outputs: dict) -> str:
 
 
 EXERCISES = [
-    Exercise("test_add", ("add",), "add two tensors", _add_inputs, _add_judge, run=_add_run,
-             timeout=30),
-    Exercise("test_rank_sum", ("rank_sum",), "sum over ranks with send/recv", _sum_inputs,
-             _sum_judge, run_rank=_sum_run_rank, forbid=("all_reduce", "reduce"),
-             timeout=60),
+    Exercise(
+        "test_add", ("add",), "add two tensors", _add_inputs, _add_judge, run=_add_run, timeout=30
+    ),
+    Exercise(
+        "test_rank_sum",
+        ("rank_sum",),
+        "sum over ranks with send/recv",
+        _sum_inputs,
+        _sum_judge,
+        run_rank=_sum_run_rank,
+        forbid=("all_reduce", "reduce"),
+        timeout=60,
+    ),
 ]
