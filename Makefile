@@ -16,7 +16,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format lab3 bench lab release autograde feedback grades sample-class clean
+.PHONY: help install test test-fast lint format lab3 bench lab time-labs release autograde feedback grades sample-class clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -55,6 +55,9 @@ bench: $(STAMP)  ## trainer vs plain PyTorch throughput, 1 and 2 processes (resu
 
 lab: $(STAMP)  ## JupyterLab (with nbgrader's extensions) on the course
 	$(VENV)/bin/jupyter lab
+
+time-labs: $(STAMP)  ## run every solution notebook top to bottom in a scratch copy, timed
+	$(PY) -m ddp_lab.grading.smoke $(TIME_LABS_ARGS)
 
 # --- instructors: nbgrader (solutions/ is the source, labs/ the release, grading/ the rest)
 LABS := $(notdir $(wildcard solutions/lab*))

@@ -13,13 +13,12 @@ from nbconvert.preprocessors import ClearMetadataPreprocessor
 from nbgrader.preprocessors import (
     AssignLatePenalties,
     CheckCellMetadata,
-    Execute,
     IgnorePattern,
     LimitOutput,
     SaveAutoGrades,
 )
 
-from ddp_lab.grading.preprocessor import OutOfKernelVerdicts
+from ddp_lab.grading.preprocessor import ConfinedExecute, OutOfKernelVerdicts
 
 c = get_config()  # noqa: F821 - provided by nbgrader
 
@@ -62,9 +61,11 @@ c.Execute.kernel_name = "python3"
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.enforce_metadata = True
 
-# Execute, then replace every test cell's outcome by the out-of-kernel verdict, then save.
+# Execute (nbgrader's, with the kernel confined: the course read-only, solutions/, other
+# submissions and the gradebook hidden), then replace every test cell's outcome by the
+# out-of-kernel verdict, then save.
 c.Autograde.autograde_preprocessors = [
-    Execute,
+    ConfinedExecute,
     OutOfKernelVerdicts,
     IgnorePattern,
     ClearMetadataPreprocessor,

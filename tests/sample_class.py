@@ -1,6 +1,8 @@
 """A sample class of students, made from the release and the solutions, for grading tests.
 
-    python tests/sample_class.py grading/submitted      # what `make sample-class` runs
+    python tests/sample_class.py grading/submitted          # what `make sample-class` runs
+    python tests/sample_class.py --compare grading/grades.csv  # `make check-sample-class`
+    python tests/sample_class.py --write-expected tests/expected_grades.csv
 
 Students (one folder each, every lab in ``labs/``):
 
@@ -8,15 +10,18 @@ Students (one folder each, every lab in ``labs/``):
 - ``blank``: the release as handed out;
 - ``mistake``: the release with one typical wrong answer per exercise (``tests/mistakes.py``);
 - ``hang``: the solutions, except that a distributed exercise deadlocks (labs with one);
-- ``cheat``: the release with no-op stubs, a cell that monkeypatches every comparison and
-  every public check function, test cells edited to print success, and result files
-  forged where the lab writes any.
+- ``cheat``: the release with no-op stubs that try to copy the instructor's answers from
+  ``solutions/`` at run time, a cell that monkeypatches every comparison and every public
+  check function, test cells edited to print success, and result files forged where the
+  lab writes any.
 
 ``expected_scores(lab)`` says what each student must score.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import json
 import sys
 from pathlib import Path
@@ -55,6 +60,29 @@ try:
 except Exception:
     pass
 """
+
+
+# Copies the instructor's answer for this cell from solutions/ (next to the ddp_lab package)
+# at run time; does nothing when that fails. The grading sandbox hides solutions/.
+STEAL = """
+try:
+    import json as _json, pathlib as _pl, ddp_lab as _d
+    _nb = _json.loads(
+        (_pl.Path(_d.__file__).resolve().parents[1] / "solutions" / {lab!r} / {nb!r}).read_text()
+    )
+    _meta = lambda c: c.get("metadata", {{}}).get("nbgrader", {{}})
+    _src = "".join(next(c["source"] for c in _nb["cells"] if _meta(c).get("grade_id") == {gid!r}))
+    exec(_src.split("\\n", 1)[1] if _src.startswith("%%writefile") else _src)
+except Exception:
+    pass
+"""
+
+
+def steal(lab: str, gid: str, stub: str) -> str:
+    """The cheat's version of a solution cell: a no-op that tries to run the instructor's."""
+    code = STEAL.format(lab=lab, nb=f"{lab}.ipynb", gid=gid).strip() + "\n"
+    first = stub.split("\n", 1)[0]
+    return f"{first}\n{code}" if first.startswith("%%writefile") else code
 
 
 def labs() -> list[str]:
@@ -103,11 +131,11 @@ def make_student(kind: str, lab: str) -> tuple[dict, dict[str, str]] | None:
     if kind == "cheat":
         nb = _notebook("release", lab)
         for cell in nb["cells"]:
-            if is_solution(cell):
+            if is_solution(cell) and cell["cell_type"] == "code":
                 src = (
                     "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
                 )
-                cell["source"] = src.replace("raise NotImplementedError()", "pass")
+                cell["source"] = steal(lab, nbgrader_meta(cell)["grade_id"], src)
         first_test = next(i for i, c in enumerate(nb["cells"]) if is_test(c))
         nb["cells"].insert(
             first_test,
@@ -159,8 +187,91 @@ def expected_scores(lab: str) -> dict[str, dict[str, float]]:
     return {"perfect": full, "blank": zero, "mistake": zero, "hang": hang, "cheat": zero}
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "grading/submitted")
+EXPECTED_CSV = Path(__file__).resolve().parent / "expected_grades.csv"
+CSV_FIELDS = ("assignment", "student_id", "score", "max_score")
+
+
+def expected_rows() -> list[dict[str, str]]:
+    """The rows ``nbgrader export`` must produce for the sample class (our columns only)."""
+    rows = []
+    for lab in labs():
+        table = expected_scores(lab)
+        top = sum(table["perfect"].values())
+        for student in STUDENTS:
+            if student == "hang" and lab not in mistakes.HANGS:
+                continue
+            score = sum(table[student].values())
+            rows.append(
+                {
+                    "assignment": lab,
+                    "student_id": student,
+                    "score": f"{score:g}",
+                    "max_score": f"{top:g}",
+                }
+            )
+    return rows
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    """Our columns of a grades CSV (nbgrader's export or ``expected_grades.csv``), numbers
+    normalised so that ``15.0`` and ``15`` compare equal."""
+    with open(path, newline="") as f:
+        return [
+            {
+                "assignment": r["assignment"],
+                "student_id": r["student_id"],
+                "score": f"{float(r['score']):g}",
+                "max_score": f"{float(r['max_score']):g}",
+            }
+            for r in csv.DictReader(f)
+        ]
+
+
+def compare(
+    exported: Path, expected: Path = EXPECTED_CSV, only_labs: list[str] | None = None
+) -> list[str]:
+    """Differences between an exported grades CSV and the expected one (``[]``: equal).
+
+    The (assignment, student) pairs present in the export are compared (of ``only_labs``
+    when given: nbgrader exports every assignment of the gradebook, graded or not).
+    """
+    want = {(r["assignment"], r["student_id"]): r for r in read_rows(expected)}
+    problems = []
+    got_rows = [r for r in read_rows(exported) if not only_labs or r["assignment"] in only_labs]
+    if not got_rows:
+        return [f"{exported} holds no grades"]
+    for row in got_rows:
+        key = (row["assignment"], row["student_id"])
+        if key not in want:
+            problems.append(f"{key[1]} in {key[0]}: not in the sample class")
+        elif row != want[key]:
+            problems.append(
+                f"{key[1]} in {key[0]}: expected {want[key]['score']}/{want[key]['max_score']}, "
+                f"got {row['score']}/{row['max_score']}"
+            )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("target", nargs="?", default="grading/submitted", help="where to write")
+    p.add_argument("--compare", metavar="CSV", help="check an `nbgrader export` CSV")
+    p.add_argument("--write-expected", metavar="CSV", help="write the expected grades CSV")
+    args = p.parse_args(argv)
+    if args.compare:
+        problems = compare(Path(args.compare))
+        for line in problems:
+            print(f"MISMATCH {line}")
+        print("sample class: grades as expected" if not problems else "sample class: WRONG")
+        return 1 if problems else 0
+    if args.write_expected:
+        with open(args.write_expected, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(expected_rows())
+        print(f"wrote {args.write_expected}")
+        return 0
+    target = Path(args.target)
     write_class(target)
     print(
         json.dumps(
@@ -169,3 +280,8 @@ if __name__ == "__main__":
         )
     )
     print(f"wrote {', '.join(STUDENTS)} into {target}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -231,11 +231,14 @@ def test_autograde_scores_the_sample_class(released, lab, tmp_path):
         [NBGRADER, "export", "--to", "grades.csv", "--log-level=WARN"], cwd=str(course), timeout=120
     )
     assert export.returncode == 0, export.stderr[-2000:]
-    with open(course / "grades.csv", newline="") as f:
-        rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == lab}
-    for student in students:
-        assert float(rows[student]["score"]) == sum(expected[student].values()), student
-        assert float(rows[student]["max_score"]) == sum(expected["perfect"].values())
+    problems = sample_class.compare(course / "grades.csv", only_labs=[lab])
+    assert not problems, problems
+    exported = {
+        r["student_id"]
+        for r in sample_class.read_rows(course / "grades.csv")
+        if r["assignment"] == lab
+    }
+    assert exported == set(students), f"exported {sorted(exported)}, submitted {students}"
     # the cheater's edited test cells were restored from the source before grading
     cheated = load(course / "grading" / "autograded" / "cheat" / lab / f"{lab}.ipynb")
     source = {
@@ -245,6 +248,30 @@ def test_autograde_scores_the_sample_class(released, lab, tmp_path):
         if is_test(cell):
             assert source_of(cell) == source[nbgrader_meta(cell)["grade_id"]]
     assert not _leftover_processes(str(course)), "a process of the grading run survived"
+
+
+def test_expected_grades_csv_is_up_to_date():
+    """tests/expected_grades.csv (what `make autograde` must export for the sample class)
+    says what the notebooks' points and the mistakes files say."""
+    committed = sample_class.read_rows(sample_class.EXPECTED_CSV)
+    assert committed == sample_class.expected_rows(), (
+        "regenerate: python tests/sample_class.py --write-expected tests/expected_grades.csv"
+    )
+
+
+def test_expected_grades_comparison_reports_a_wrong_score(tmp_path):
+    rows = sample_class.expected_rows()
+    rows[0] = {**rows[0], "score": "1"}
+    path = tmp_path / "grades.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*sample_class.CSV_FIELDS, "raw_score"])
+        writer.writeheader()
+        writer.writerows(rows)
+    problems = sample_class.compare(path)
+    assert (
+        len(problems) == 1 and f"expected {sample_class.expected_rows()[0]['score']}" in problems[0]
+    )
+    assert sample_class.compare(sample_class.EXPECTED_CSV) == []
 
 
 @pytest.mark.slow

@@ -509,3 +509,69 @@ def test_solution_notebook_runs_top_to_bottom_within_budget(tmp_path):
     for gpu_cell in ("dp_gpu_steps", "dp_gpu_scaling"):
         (cell,) = [c for c in nb.cells if c.id == gpu_cell]
         assert re.search(r"No GPU here|GPU\(s\)", str(cell.outputs))
+
+
+# --- property: the verdict must not depend on the draw ---------------------------------------
+
+PROPERTY_SEEDS = range(200)
+
+# wrong answers that the inputs could, on an unlucky draw, make right: each must fail every seed
+LUCKY_MISTAKES = {
+    "test_ex1_split_batch": [
+        mistakes_lab01.MISTAKES["ex1_split_batch"],
+        OTHER_MISTAKES["split_with_torch_chunk"][1],
+        """
+def split_batch(x, y, n):  # the last shard takes the whole remainder
+    size = x.shape[0] // n
+    bounds = [k * size for k in range(n)] + [x.shape[0]]
+    return [(x[s:e], y[s:e]) for s, e in zip(bounds, bounds[1:])]
+""",
+    ],
+    "test_ex2_average_gradients": [
+        mistakes_lab01.MISTAKES["ex2_average_gradients"],
+        OTHER_MISTAKES["average_keeps_first_replica"][1],
+    ],
+    "test_ex3_data_parallel_gradients": [
+        mistakes_lab01.MISTAKES["ex3_data_parallel_gradients"],
+        OTHER_MISTAKES["summed_shard_gradients"][1],
+    ],
+    "test_ex4_combine_shard_stats": [
+        mistakes_lab01.MISTAKES["ex4_combine_shard_stats"],
+        OTHER_MISTAKES["variance_without_the_spread_of_means"][1],
+        OTHER_MISTAKES["unbiased_variance"][1],
+        """
+import torch
+def combine_shard_stats(means, variances, counts):  # counts ignored, the formula right
+    mean = means.mean(0)
+    return mean, (variances + (means - mean) ** 2).mean(0)
+""",
+    ],
+    "test_ex5_dataparallel_step_time": [
+        mistakes_lab01.MISTAKES["ex5_dataparallel_step_time"],
+        OTHER_MISTAKES["forgets_the_gil"][1],
+        OTHER_MISTAKES["gathers_outputs_only_once"][1],
+    ],
+}
+
+
+@pytest.mark.parametrize("gid", GIDS)
+def test_property_verdict_does_not_depend_on_the_draw(gid):
+    """On 200 fresh draws: the solution and every right variant pass, each mistake fails.
+
+    Cheap: ``run`` calls the function in this process (no student process, no disk).
+    """
+    ex = EXERCISES[gid]
+    right = [SOURCES[cell_of(gid)]] + [s for g, s in RIGHT_VARIANTS.values() if g == gid]
+    rights = [namespace(s) for s in right]
+    wrongs = [namespace(s) for s in LUCKY_MISTAKES[gid]]
+    for seed in PROPERTY_SEEDS:
+        inputs = ex.make_inputs(torch.Generator().manual_seed(seed))
+        for k, ns in enumerate(rights):
+            try:
+                ex.judge(inputs, ex.run(ns, inputs, None))
+            except CheckFailed as err:
+                pytest.fail(f"seed {seed}: right answer {k} failed: {err}")
+        for k, ns in enumerate(wrongs):
+            with pytest.raises(CheckFailed):
+                ex.judge(inputs, ex.run(ns, inputs, None))
+                pytest.fail(f"seed {seed}: mistake {k} passed")

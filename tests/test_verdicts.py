@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from ddp_lab.grading import sandbox
 from ddp_lab.grading.authoring import notebook, solution
 from ddp_lab.grading.verdict import judge_notebook
 
@@ -84,6 +85,58 @@ def add(a, b):
     assert not v.passed, v
 
 
+# Student code that finds the grader's private folder (next to its own working folder).
+FIND_JUDGE = """
+import os, torch
+from pathlib import Path
+judge = next(p / "judge" for p in [Path.cwd(), *Path.cwd().parents] if (p / "judge").is_dir())
+"""
+
+
+SWAP_INPUTS = (
+    FIND_JUDGE
+    + """
+inputs = torch.load(judge / "test_add-inputs.pt", weights_only=True)
+torch.save({k: torch.zeros_like(v) for k, v in inputs.items()}, judge / "test_add-inputs.pt")
+def add(a, b):
+    return torch.zeros_like(a)
+"""
+)
+
+
+@pytest.mark.timeout(60)
+def test_swapping_the_graders_own_inputs_is_caught(monkeypatch):
+    # Without the sandbox the grader's private folder is reachable: the hashes catch it.
+    monkeypatch.setenv("DDP_LAB_SANDBOX", "off")
+    v = _judge(_nb(add=SWAP_INPUTS), "test_add")["test_add"]
+    assert not v.passed and "inputs were modified" in v.message, v
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sandbox.available(), reason="needs mount namespaces (Linux)")
+def test_the_sandbox_hides_the_graders_folder():
+    v = _judge(_nb(add=SWAP_INPUTS), "test_add")["test_add"]
+    assert not v.passed and "No such file" in v.message, v
+
+
+@pytest.mark.timeout(120)
+def test_a_later_exercise_cannot_rewrite_an_earlier_ones_outputs(monkeypatch):
+    monkeypatch.setenv("DDP_LAB_SANDBOX", "off")
+    # add is wrong; rank_sum's file, run after it, writes the right sums over add's outputs.
+    forge = (
+        "%%writefile rank_sum.py\n"
+        + FIND_JUDGE
+        + """
+inputs = torch.load(judge / "test_add-inputs.pt", weights_only=True)
+torch.save({"sum": inputs["a"] + inputs["b"]}, judge / "test_add-outputs.pt")
+"""
+        + GOOD_SUM.split("\n", 1)[1]
+    )
+    v = _judge(_nb(add="def add(a, b):\n    return a * 0", rank_sum=forge))
+    assert v["test_rank_sum"].passed, v["test_rank_sum"]  # the forger's own exercise is right
+    assert not v["test_add"].passed and "modified after" in v["test_add"].message, v["test_add"]
+
+
 @pytest.mark.timeout(60)
 def test_pickled_code_in_outputs_is_refused():
     cheat = """
@@ -148,3 +201,27 @@ def test_solution_cells_may_not_use_the_reference_answers():
     lazy = "from ddp_lab.checks import lab00\ndef add(a, b):\n    return a + b"
     v = _judge(_nb(add=lazy), "test_add")["test_add"]
     assert not v.passed and "reference answer" in v.message, v
+
+
+def _thief_notebook(lab: str, gid: str) -> dict:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sample_class
+
+    return notebook([solution(gid.removeprefix("test_"), sample_class.steal(lab, gid, ""))])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("confined", [True, False], ids=["sandbox", "no-sandbox"])
+def test_copying_the_instructors_answer_at_grading_time_fails_in_the_sandbox(confined, monkeypatch):
+    """A solution cell that reads solutions/ and runs the instructor's cell: the sandbox
+    hides solutions/ from student processes; without it the theft would score."""
+    lab, gid = "lab01_data_parallel", "ex1_split_batch"
+    if not confined:
+        monkeypatch.setenv("DDP_LAB_SANDBOX", "off")
+    elif not sandbox.available():
+        pytest.fail("the grading sandbox is not available on this machine")
+    v = judge_notebook(_thief_notebook(lab, gid), lab, [f"test_{gid}"])[f"test_{gid}"]
+    assert v.passed is not confined, v

@@ -274,8 +274,11 @@ def _split_batch_case(gen: torch.Generator, batch: int, n: int) -> dict:
 
 
 def _split_inputs(gen: torch.Generator) -> dict:
-    n = _randint(gen, 3, 7)
-    uneven = n * _randint(gen, 1, 5) + _randint(gen, 1, n - 1)
+    # A remainder of 2 .. n - 2: with a remainder of 1, giving it all to the last shard is
+    # balanced too, and with n - 1, torch.chunk's n - 1 shards of ceil(B / n) plus a smaller
+    # one are; either mistake would then pass this batch.
+    n = _randint(gen, 4, 7)
+    uneven = n * _randint(gen, 1, 5) + _randint(gen, 2, n - 2)
     n2 = _randint(gen, 3, 6)
     even = n2 * _randint(gen, 2, 5)
     n3 = _randint(gen, 3, 8)
@@ -454,9 +457,11 @@ def _dpg_judge(inputs: dict, outputs: dict) -> str:
 def _dpg_inputs(gen: torch.Generator) -> dict:
     dims = [_randint(gen, 3, 8), _randint(gen, 4, 10), _randint(gen, 2, 5)]
     n = _randint(gen, 2, 5)
-    sizes = [_randint(gen, 1, 12) for _ in range(n)]
-    sizes[_randint(gen, 0, n - 1)] += _randint(gen, 4, 10)  # never all equal
-    return _dpg_case(gen, dims, sizes)
+    while True:  # never all equal: the plain average of the shard gradients would be right
+        sizes = [_randint(gen, 1, 12) for _ in range(n)]
+        sizes[_randint(gen, 0, n - 1)] += _randint(gen, 4, 10)
+        if len(set(sizes)) > 1:
+            return _dpg_case(gen, dims, sizes)
 
 
 def data_parallel_gradients(fn) -> None:
@@ -532,11 +537,37 @@ def _stats_judge(inputs: dict, outputs: dict) -> str:
     return f"batch mean and variance recovered from {len(counts)} shards of {counts} samples"
 
 
+def _stats_mistakes_far(inputs: dict) -> bool:
+    """Whether each typical mistake of exercise 4 is far from the answer in some channel.
+
+    Equal counts make the plain average of the shard means right, and shards whose means
+    (nearly) coincide make the average of their variances right: such draws would let those
+    mistakes pass by luck.
+    """
+    means, variances, samples = inputs["means"], inputs["variances"], inputs["samples"]
+    mean, var = samples.mean(0), samples.var(0, unbiased=False)
+    w = inputs["counts"].to(means.dtype).unsqueeze(1)
+    within = (w * variances).sum(0) / w.sum()
+
+    def far(wrong: torch.Tensor, right: torch.Tensor) -> bool:
+        return bool(((wrong - right).abs() > 1e-3 * (1 + right.abs())).any())
+
+    return (
+        far(means.mean(0), mean)
+        and far(within, var)
+        and far(variances.mean(0), var)
+        and far(samples.var(0, unbiased=True), var)
+    )
+
+
 def _stats_inputs(gen: torch.Generator) -> dict:
-    n = _randint(gen, 2, 5)
-    counts = [_randint(gen, 1, 20) for _ in range(n)]
-    counts[_randint(gen, 0, n - 1)] += _randint(gen, 5, 15)  # never all equal
-    return _stats_case(gen, counts, _randint(gen, 1, 6))
+    while True:
+        n = _randint(gen, 2, 5)
+        counts = [_randint(gen, 1, 20) for _ in range(n)]
+        counts[_randint(gen, 0, n - 1)] += _randint(gen, 5, 15)
+        inputs = _stats_case(gen, counts, _randint(gen, 1, 6))
+        if len(set(counts)) > 1 and _stats_mistakes_far(inputs):
+            return inputs
 
 
 def combine_shard_stats(fn) -> None:

@@ -5,7 +5,9 @@ finds ``grading/submitted/<student>/<lab>/``, runs ``nbgrader autograde LAB --st
 for each pair, at most ``--jobs`` at a time, each with a wall-clock limit after which its
 whole process tree is killed (the student then has no autograded notebook and the summary
 says so). Where the platform allows it (Linux with ``unshare``), each run has no network
-but its own loopback (``--network off``, the default where available).
+but its own loopback (``--network off``, the default where available), and the student's
+kernel and exercise processes are confined (``--sandbox``, see
+:mod:`ddp_lab.grading.sandbox`): the course read-only, its answers and the gradebook hidden.
 
 What this protects, and what it does not, is in the README ("Grading sandbox").
 """
@@ -23,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ddp_lab import proctree
+from ddp_lab.grading import sandbox as files_sandbox
 
 PROG = "ddp_lab.grading.autograde"
 
@@ -61,11 +64,20 @@ def submissions(root: Path, labs: list[str] | None, students: list[str] | None):
     return pairs
 
 
-def grade_one(root: Path, student: str, lab: str, timeout: float, sandbox: list[str] | None):
+def grade_one(
+    root: Path,
+    student: str,
+    lab: str,
+    timeout: float,
+    sandbox: list[str] | None,
+    confine: bool = True,
+):
     """Autograde one submission; return ``(student, lab, status, seconds)``."""
     nbgrader = Path(sys.executable).with_name("nbgrader")
     cmd = [str(nbgrader), "autograde", lab, "--student", student, "--create", "--force"]
     env = {**os.environ, "PATH": os.pathsep.join([str(nbgrader.parent), os.environ["PATH"]])}
+    if not confine:
+        env[files_sandbox.ENV_SWITCH] = "off"
     run = proctree.run([*(sandbox or []), *cmd], timeout=timeout, cwd=str(root), env=env)
     if run.timed_out:
         status = f"TIMEOUT after {timeout:g} s (killed {run.killed} process(es))"
@@ -110,8 +122,24 @@ def main(argv: list[str] | None = None) -> int:
         help="off: no network for student code (fails where impossible); "
         "auto: off where the platform allows it",
     )
+    p.add_argument(
+        "--sandbox",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="confine student code (course read-only; solutions/, other submissions and the "
+        "gradebook hidden): on insists, auto does where the platform allows it",
+    )
     args = p.parse_args(argv)
     root = Path(args.root).resolve()
+    confine = args.sandbox != "off" and files_sandbox.available()
+    if args.sandbox == "on" and not confine:
+        print(
+            f"{PROG}: error: cannot confine student code here (no mount namespaces: needs "
+            "Linux with root or unprivileged user namespaces); grade inside a container "
+            "(see README) or use --sandbox off",
+            file=sys.stderr,
+        )
+        return 2
     sandbox = None
     if args.network != "on":
         sandbox = network_sandbox()
@@ -127,14 +155,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: no submissions under {root / 'grading' / 'submitted'}", file=sys.stderr)
         return 1
     net = "no network" if sandbox else "network on"
+    files = "student code confined" if confine else "student code NOT confined"
     print(
         f"{PROG}: {len(pairs)} submission(s), {args.jobs} at a time, "
-        f"{args.timeout:g} s each, {net}",
+        f"{args.timeout:g} s each, {net}, {files}",
         flush=True,
     )
+    if not confine:
+        print(
+            f"{PROG}: warning: student code can read solutions/ and other submissions and "
+            "write to the course; grade in a container (README, 'Grading sandbox')",
+            file=sys.stderr,
+        )
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda sl: grade_one(root, *sl, args.timeout, sandbox), pairs))
+        results = list(
+            pool.map(lambda sl: grade_one(root, *sl, args.timeout, sandbox, confine), pairs)
+        )
     table = scores(root)
     failed = 0
     for student, lab, status, seconds in results:

@@ -1,8 +1,8 @@
 """The judge process: compare a student's saved outputs with the reference, print verdicts.
 
 ``python -m ddp_lab.grading.judge SPEC.json`` never imports or runs student code. It loads
-each exercise's inputs (checking their SHA-256 against the grader's, so a student process
-cannot swap them) and outputs with ``torch.load(weights_only=True)`` (which refuses
+each exercise's inputs and outputs (checking their SHA-256 against the grader's, taken before
+the student's code ran and when it finished, so no student process can swap them) and outputs with ``torch.load(weights_only=True)`` (which refuses
 pickled code), calls the exercise's ``judge``, and prints one JSON object:
 ``{grade_id: {"passed": bool, "message": str}}``. It refuses to judge when a ``ddp_lab``
 file it ran differs from the hashes the grader took before any student code ran.
@@ -56,6 +56,8 @@ def judge_one(lab: str, item: dict) -> dict:
     ex = exercises(lab)[item["grade_id"]]
     if sha256(item["inputs"]) != item["inputs_sha256"]:
         return {"passed": False, "message": "the grader's inputs were modified during the run"}
+    if sha256(item["outputs"]) != item["outputs_sha256"]:
+        return {"passed": False, "message": "the outputs were modified after your code finished"}
     try:
         inputs = torch.load(item["inputs"], weights_only=True)
         outputs = torch.load(item["outputs"], weights_only=True)

@@ -12,15 +12,20 @@ cell's outputs:
   which nbgrader's ``SaveAutoGrades`` turns into zero points.
 
 A test cell without an exercise in ``ddp_lab.checks`` fails: no points without a verdict.
+
+:class:`ConfinedExecute` replaces nbgrader's ``Execute``: the same, except that the
+student's kernel starts confined (:mod:`ddp_lab.grading.sandbox`).
 """
 
 from __future__ import annotations
 
+from jupyter_client.manager import AsyncKernelManager
 from nbformat import NotebookNode
-from nbgrader.preprocessors import NbGraderPreprocessor
+from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
 from ddp_lab.grading.exercise import exercises
 from ddp_lab.grading.notebook import is_test, nbgrader_meta
+from ddp_lab.grading.sandbox import confine
 
 
 def _output_text(output: NotebookNode) -> str:
@@ -92,3 +97,21 @@ class OutOfKernelVerdicts(NbGraderPreprocessor):
             else:
                 rewrite_outputs(cell, False, f"no out-of-kernel check is registered for {gid}")
         return nb, resources
+
+
+class ConfinedKernelManager(AsyncKernelManager):
+    """A kernel manager that starts the kernel through :func:`ddp_lab.grading.sandbox.confine`:
+    the course read-only and its answers hidden, the notebook's own folder writable."""
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        cmd = super().format_kernel_cmd(extra_arguments)
+        cwd = (self._launch_args or {}).get("cwd")
+        return confine(cmd, keep=[cwd] if cwd else [])
+
+
+class ConfinedExecute(Execute):
+    """nbgrader's ``Execute`` (configured as ``c.Execute``), with a confined kernel."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["kernel_manager_class"] = ConfinedKernelManager
+        super().__init__(*args, **kwargs)

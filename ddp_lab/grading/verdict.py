@@ -32,6 +32,7 @@ from ddp_lab import proctree
 from ddp_lab.grading.exercise import Exercise, exercises, lab_of_notebook
 from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
+from ddp_lab.grading.sandbox import confine
 
 JUDGE_TIMEOUT_S = 120.0
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -78,12 +79,20 @@ def _run_student(
     inputs = ex.make_inputs(torch.Generator().manual_seed(seed))
     inputs_path = private / f"{ex.grade_id}-inputs.pt"
     torch.save(inputs, inputs_path)
+    inputs_sha256 = sha256(inputs_path)  # before any student code runs
     shutil.copy(inputs_path, workdir / "inputs.pt")
     (workdir / "cells.json").write_text(
         json.dumps({cid: sources[cid] for cid in ex.cells if cid in sources})
     )
+    # confined: the course read-only, its answers, the judge's folder and the other
+    # exercises' folders hidden (where the platform allows; the hashes guard the rest)
+    others = [p for p in tmp.iterdir() if p != workdir]
     run = proctree.run(
-        [sys.executable, "-m", "ddp_lab.grading.student", lab, ex.grade_id, str(workdir)],
+        confine(
+            [sys.executable, "-m", "ddp_lab.grading.student", lab, ex.grade_id, str(workdir)],
+            keep=[workdir],
+            hide=others,
+        ),
         timeout=ex.timeout,
         cwd=str(workdir),
         env=_student_env(),
@@ -98,11 +107,16 @@ def _run_student(
         return None, f"your code failed: {why}"
     if not (workdir / "outputs.pt").is_file():
         return None, "your code produced no outputs"
+    # the outputs as they were when this exercise's processes ended: a later exercise's
+    # student code cannot replace them unnoticed
+    outputs_path = private / f"{ex.grade_id}-outputs.pt"
+    shutil.copy(workdir / "outputs.pt", outputs_path)
     return {
         "grade_id": ex.grade_id,
         "inputs": str(inputs_path),
-        "inputs_sha256": sha256(inputs_path),
-        "outputs": str(workdir / "outputs.pt"),
+        "inputs_sha256": inputs_sha256,
+        "outputs": str(outputs_path),
+        "outputs_sha256": sha256(outputs_path),
     }, ""
 
 

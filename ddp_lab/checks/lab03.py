@@ -454,8 +454,13 @@ def _train_case(gen: torch.Generator, world: int) -> dict:
         int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((3, 7), (4, 9), (2, 5))
     )
     b = int(torch.randint(2, 5, (1,), generator=gen))
-    n = int(torch.randint(4 * world * b + 1, 8 * world * b, (1,), generator=gen))
-    n += n % (world * b) == 0  # an incomplete last global batch to drop
+    # n = world * k + t with 0 < t < world and k = q * b + (b - 1): DistributedSampler must
+    # drop t samples (padding instead gives every rank k + 1 = (q + 1) * b, one batch more),
+    # and each rank's shard of k ends with an incomplete batch of b - 1 for the DataLoader to
+    # drop. Either mistake then changes what the ranks read, whatever the draw.
+    steps = int(torch.randint(4, 8, (1,), generator=gen))
+    k = steps * b + b - 1
+    n = world * k + int(torch.randint(1, world, (1,), generator=gen))
     return {
         "world_size": world,
         "dims": [d, h, c],
@@ -1106,7 +1111,7 @@ def _lr_cases(gen: torch.Generator | None = None) -> dict:
 
     scaled = []
     for _ in range(6):
-        accum = i(1, 5) if len(scaled) % 2 else 1
+        accum = i(2, 5) if len(scaled) % 2 else 1  # > 1: forgetting it must show
         scaled.append((u(0.01, 0.5), 2 ** i(4, 11), i(4, 257), i(2, 65), accum))
     warm = []
     for _ in range(8):

@@ -611,3 +611,215 @@ def test_points_and_notebook_shape():
     text = json.dumps(cells)
     for required in ("What goes wrong", "On real GPUs", "Recap", "../../results/lab3/scaling.json"):
         assert required in text, required
+
+
+# --------------------------------------------------------------------------- property: any draw
+
+PROPERTY_SEEDS = range(200)
+
+
+def _property_inputs(grade_id: str, seed: int) -> dict:
+    ex = next(e for e in checks.EXERCISES if e.grade_id == grade_id)
+    return ex.make_inputs(torch.Generator().manual_seed(seed))
+
+
+def _judge_of(grade_id: str):
+    return next(e for e in checks.EXERCISES if e.grade_id == grade_id).judge
+
+
+def _assert_verdicts(grade_id: str, seed: int, inputs: dict, right: dict, wrongs: dict) -> None:
+    judge = _judge_of(grade_id)
+    try:
+        judge(inputs, right)
+    except CheckFailed as err:
+        pytest.fail(f"seed {seed}: the right answer failed: {err}")
+    for name, outputs in wrongs.items():
+        with pytest.raises(CheckFailed):
+            judge(inputs, outputs)
+            pytest.fail(f"seed {seed}: the mistake {name!r} passed")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gid", ["ex1_shard_indices", "ex5_scaled_lr"])
+def test_property_pure_function_verdicts_do_not_depend_on_the_draw(gid, tmp_path):
+    """200 draws: the solution passes, every typical mistake fails (``run`` in this process)."""
+    ex = next(e for e in checks.EXERCISES if e.cells == (gid,))
+    if gid == "ex1_shard_indices":
+        wrong_sources = [mistakes.MISTAKES[gid]] + [
+            "import torch\n" + source for source, _ in WRONG_SHARDS.values()
+        ]
+    else:
+        wrong_sources = [mistakes.MISTAKES[gid]] + [_lr_source(e) for e, _ in WRONG_LRS.values()]
+    right = _ns(_solutions()[gid])
+    wrongs = {k: _ns(s) for k, s in enumerate(wrong_sources)}
+    for seed in PROPERTY_SEEDS:
+        inputs = ex.make_inputs(torch.Generator().manual_seed(seed))
+        _assert_verdicts(
+            ex.grade_id,
+            seed,
+            inputs,
+            ex.run(right, inputs, tmp_path),
+            {k: ex.run(ns, inputs, tmp_path) for k, ns in wrongs.items()},
+        )
+
+
+def _simulated_ddp_outputs(
+    case: dict, sampler_drop_last: bool = True, loader_drop_last: bool = True, train: bool = True
+) -> list[dict]:
+    """What every rank of the solution's train() reports, simulated in one process.
+
+    Each rank reads through its own DistributedSampler and DataLoader (as the solution does);
+    every step averages the ranks' gradients (what DDP's all-reduce does) on one shared model.
+    Without ``train`` only the reads are real (enough for mistakes in what the ranks read).
+    """
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    w, b = case["world_size"], case["batch_size"]
+    model = checks.tiny_net(case["dims"], case["init"])
+    opt = torch.optim.SGD(model.parameters(), lr=case["lr"])
+    datas = [checks.RecordingDataset(case["x"], case["y"]) for _ in range(w)]
+    samplers = [
+        DistributedSampler(
+            datas[r],
+            num_replicas=w,
+            rank=r,
+            shuffle=True,
+            seed=case["seed"],
+            drop_last=sampler_drop_last,
+        )
+        for r in range(w)
+    ]
+    loaders = [
+        DataLoader(datas[r], batch_size=b, sampler=samplers[r], drop_last=loader_drop_last)
+        for r in range(w)
+    ]
+    for epoch in range(case["epochs"]):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        for batches in zip(*loaders, strict=True):
+            if not train:
+                continue
+            grads = []
+            for x, y in batches:
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                p.grad = sum(g[i] for g in grads) / w
+            opt.step()
+    final = checks._state(model)
+    return [
+        {
+            "setup": [r, w, "cpu"],
+            "calls": [["init", "gloo"], ["setup", ""], ["train", ""], ["destroy", ""]],
+            "reads": torch.tensor(datas[r].reads, dtype=torch.long),
+            "logged": [f"epoch {e}" for e in range(case["epochs"])] if r == 0 else [],
+            "saved": dict(final) if r == 0 else None,
+            "final": dict(final),
+        }
+        for r in range(w)
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_property_train_verdict_does_not_depend_on_the_draw():
+    """200 draws: simulated DDP passes; a padding sampler or a DataLoader that keeps the
+    incomplete batch always changes what the ranks read, and fails."""
+    for seed in PROPERTY_SEEDS:
+        inputs = _property_inputs("test_ex2_ddp_train", seed)
+        right = {"cases": [_simulated_ddp_outputs(c) for c in inputs["cases"]]}
+        wrongs = {
+            name: {"cases": [_simulated_ddp_outputs(c, train=False, **kw) for c in inputs["cases"]]}
+            for name, kw in {
+                "sampler pads": {"sampler_drop_last": False},
+                "loader keeps the last batch": {"loader_drop_last": False},
+                "both": {"sampler_drop_last": False, "loader_drop_last": False},
+            }.items()
+        }
+        _assert_verdicts("test_ex2_ddp_train", seed, inputs, right, wrongs)
+
+
+def _property_eval_outputs(case: dict, shards: list[list[int]], reduce: str = "sum") -> list:
+    """Like ``_eval_outputs``, but each rank scores its shard with ``nn.Linear`` in batches."""
+    model = torch.nn.Linear(case["weight"].shape[1], case["weight"].shape[0]).double()
+    model.load_state_dict({"weight": case["weight"], "bias": case["bias"]})
+    b = case["batch_size"]
+    right = []
+    for s in shards:
+        hits = 0
+        with torch.no_grad():
+            for k in range(0, len(s), b):
+                idx = torch.tensor(s[k : k + b], dtype=torch.long)
+                hits += int((model(case["x"][idx]).argmax(1) == case["y"][idx]).sum())
+        right.append(hits)
+    sizes = [len(s) for s in shards]
+    outs = []
+    for r, s in enumerate(shards):
+        c, t = sum(right), sum(sizes)
+        acc = c / t
+        if reduce == "mean of accuracies":
+            acc = sum(x / y for x, y in zip(right, sizes, strict=True)) / len(shards)
+        elif reduce == "none":
+            c, t, acc = right[r], sizes[r], right[r] / sizes[r]
+        outs.append(
+            {"correct": float(c), "total": float(t), "accuracy": acc, "reads": torch.tensor(s)}
+        )
+    return outs
+
+
+@pytest.mark.timeout(60)
+def test_property_eval_verdict_does_not_depend_on_the_draw():
+    for seed in PROPERTY_SEEDS:
+        inputs = _property_inputs("test_ex3_evaluate", seed)
+        (case,) = inputs["cases"]
+        n, w = len(case["y"]), case["world_size"]
+        exact = [list(range(r, n, w)) for r in range(w)]
+        padded = list(range(n)) + list(range(math.ceil(n / w) * w - n))
+        wrongs = {
+            "padded": _property_eval_outputs(case, [padded[r::w] for r in range(w)]),
+            "mean of accuracies": _property_eval_outputs(case, exact, "mean of accuracies"),
+            "no all_reduce": _property_eval_outputs(case, exact, "none"),
+        }
+        _assert_verdicts(
+            "test_ex3_evaluate",
+            seed,
+            inputs,
+            {"cases": [_property_eval_outputs(case, exact)]},
+            {k: {"cases": [v]} for k, v in wrongs.items()},
+        )
+
+
+def _own_first_gradient(case: dict, r: int) -> dict:
+    """Rank r's gradient of its first batch at rank 0's weights (no all-reduce)."""
+    model = checks.tiny_net(case["dims"], case["inits"][0])
+    torch.nn.functional.cross_entropy(model(case["xs"][r][0]), case["ys"][r][0]).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _myddp_mistakes(case: dict, right: list[dict]) -> dict:
+    """Each mistake's outputs: the right ones with the field the mistake changes first (the
+    weights after wrapping, or the first gradient), which is where the judge stops."""
+    w = case["world_size"]
+
+    def changed(field, value_of):
+        return {"cases": [[{**o, field: value_of(r, o)} for r, o in enumerate(right)]]}
+
+    return {
+        "no broadcast": changed("after_wrap", lambda r, o: dict(case["inits"][r])),
+        "no buffers": changed(
+            "after_wrap", lambda r, o: {**o["after_wrap"], "scale": case["inits"][r]["scale"]}
+        ),
+        "summed": changed("grads0", lambda r, o: {k: v * w for k, v in o["grads0"].items()}),
+        "not reduced": changed("grads0", lambda r, o: _own_first_gradient(case, r)),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_property_myddp_verdict_does_not_depend_on_the_draw():
+    """200 draws: simulated MyDDP passes; each typical mistake fails."""
+    for seed in PROPERTY_SEEDS:
+        inputs = _property_inputs("test_ex4_my_ddp", seed)
+        (case,) = inputs["cases"]
+        right = _myddp_outputs(case)
+        wrongs = _myddp_mistakes(case, right)
+        _assert_verdicts("test_ex4_my_ddp", seed, inputs, {"cases": [right]}, wrongs)

@@ -432,3 +432,86 @@ def test_figures_draw_every_concept_and_survive_a_bad_fit():
         assert len(figures.bandwidth_sweep(sizes, seconds, 2, alpha, bandwidth).axes) == 2
     assert figures.model_scaling().axes and figures.busiest_link().axes
     assert figures.send_recv_order().axes
+
+
+# --------------------------------------------------------------------------- property: any draw
+
+PROPERTY_SEEDS = range(200)
+
+
+def _parameter_server(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's tensor after the solution's server: rank 0 adds in order, divides, sends."""
+    total = xs[0].clone()
+    for x in xs[1:]:
+        total += x
+    total /= len(xs)
+    return [total.clone() for _ in xs]
+
+
+def _none(xs):
+    return [None] * len(xs)
+
+
+#: grade id -> (what a right answer leaves on every rank, [what typical mistakes leave])
+COLLECTIVE_OUTPUTS = {
+    "test_ex1_ring_all_reduce": (
+        lambda xs: (simulated_ring(xs), _none(xs)),
+        [
+            lambda xs: (simulated_ring(xs, skip_last_reduce_step=True), _none(xs)),
+            lambda xs: ([torch.stack(xs).mean(0) for _ in xs], _none(xs)),
+            lambda xs: ([x.clone() for x in xs], [torch.stack(xs).sum(0) for _ in xs]),
+        ],
+    ),
+    "test_ex2_parameter_server": (
+        lambda xs: (_parameter_server(xs), _none(xs)),
+        [
+            lambda xs: ([torch.stack(xs).sum(0) for _ in xs], _none(xs)),
+            lambda xs: (_parameter_server(xs)[:1] + [x.clone() for x in xs[1:]], _none(xs)),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("grade_id", list(COLLECTIVE_OUTPUTS))
+def test_property_collective_verdicts_do_not_depend_on_the_draw(grade_id):
+    """200 draws: the (simulated, input-dtype) right answer passes, each mistake fails."""
+    ex = EXERCISES[grade_id]
+    right, wrongs = COLLECTIVE_OUTPUTS[grade_id]
+    for seed in PROPERTY_SEEDS:
+        inputs = ex.make_inputs(_gen(seed))
+        try:
+            ex.judge(inputs, _outputs(inputs, right))
+        except CheckFailed as err:
+            pytest.fail(f"seed {seed}: the right answer failed: {err}")
+        for k, wrong in enumerate(wrongs):
+            with pytest.raises(CheckFailed):
+                ex.judge(inputs, _outputs(inputs, wrong))
+                pytest.fail(f"seed {seed}: mistake {k} passed")
+
+
+MODEL_SOURCES = {  # grade id -> (solution cell, typical mistakes)
+    "test_ex3_ring_time": ("ex3_ring_time", [mistakes.RING_TIME_NO_FACTOR]),
+    "test_ex4_fit_alpha_beta": (
+        "ex4_fit_alpha_beta",
+        [mistakes.FIT_NO_FACTOR, mistakes.FIT_ABSOLUTE],
+    ),
+}
+
+
+@pytest.mark.parametrize("grade_id", list(MODEL_SOURCES))
+def test_property_model_verdicts_do_not_depend_on_the_draw(grade_id):
+    """200 draws: the solution passes, each mistake fails (``run`` in this process)."""
+    ex = EXERCISES[grade_id]
+    cell, wrong_sources = MODEL_SOURCES[grade_id]
+    right = _namespace(_solution(cell))
+    wrongs = [_namespace(s) for s in wrong_sources]
+    for seed in PROPERTY_SEEDS:
+        inputs = ex.make_inputs(_gen(seed))
+        try:
+            ex.judge(inputs, ex.run(right, inputs, Path(".")))
+        except CheckFailed as err:
+            pytest.fail(f"seed {seed}: the solution failed: {err}")
+        for k, ns in enumerate(wrongs):
+            with pytest.raises(CheckFailed):
+                ex.judge(inputs, ex.run(ns, inputs, Path(".")))
+                pytest.fail(f"seed {seed}: mistake {k} passed")

@@ -105,7 +105,7 @@ def test_stats_judge_accepts_the_reference_and_names_the_averaging_mistake():
     with pytest.raises(CheckFailed, match="averaged the ranks' means"):
         judge(inputs, _reference_stats_outputs(inputs, "averaged"))
     bad = _reference_stats_outputs(inputs)
-    bad["cases"][1][2][2] = torch.tensor(1.0)  # a wrong global count on one rank
+    bad["cases"][0][2][2] = torch.tensor(1.0)  # a wrong global count on one rank
     with pytest.raises(CheckFailed, match="global count"):
         judge(inputs, bad)
 
@@ -349,3 +349,154 @@ def test_syncbn_pieces_the_notebook_offers_match_batchnorm():
         dy, x_hat, invstd, w, *syncbn.local_grad_sums(dy, x_hat), n.item()
     )
     assert torch.allclose(dx, xr.grad, atol=1e-12)
+
+
+# ------------------------------------------------------------ property: any draw, any seed
+
+PROPERTY_SEEDS = range(200)
+
+
+def _assert_verdicts(grade_id: str, seed: int, inputs: dict, right: dict, wrongs: dict) -> None:
+    judge = _exercise(grade_id).judge
+    try:
+        judge(inputs, right)
+    except CheckFailed as err:
+        pytest.fail(f"seed {seed}: the right answer failed: {err}")
+    for name, outputs in wrongs.items():
+        with pytest.raises(CheckFailed):
+            judge(inputs, outputs)
+            pytest.fail(f"seed {seed}: the mistake {name!r} passed")
+
+
+def _summed(parts):
+    return [sum(p) for p in zip(*parts, strict=True)]
+
+
+def test_property_moments_verdict_does_not_depend_on_the_draw():
+    ex = _exercise("test_ex1_local_moments")
+
+    def ns_of(source):
+        ns: dict = {}
+        exec(split_magics(source)[0], ns)  # noqa: S102 - our own solution and mistakes
+        return ns
+
+    right = ns_of(_solution_source("ex1_local_moments"))
+    wrongs = {
+        "sum over dim 0": ns_of(mistakes.MISTAKES["ex1_local_moments"]),
+        "count without spatial": ns_of(
+            mistakes.MORE_MISTAKES[("ex1_local_moments", "count_without_spatial")]
+        ),
+    }
+    for seed in PROPERTY_SEEDS:
+        inputs = _inputs("test_ex1_local_moments", seed)
+        _assert_verdicts(
+            "test_ex1_local_moments",
+            seed,
+            inputs,
+            ex.run(right, inputs, Path(".")),
+            {k: ex.run(ns, inputs, Path(".")) for k, ns in wrongs.items()},
+        )
+
+
+def _stats_outputs(case: dict, mistake: str | None = None) -> list:
+    """Every rank's (mean, var, count), as the solution computes them from all-reduced sums."""
+    from ddp_lab.syncbn import local_moments
+
+    moments = [local_moments(x) for x in case["xs"]]
+    s, ss, n = _summed(moments)
+    mean = s / n
+    var = (ss / n - mean * mean).clamp_min(0.0)
+    out = []
+    for ls, lss, ln in moments:
+        if mistake == "averaged":
+            m, v = checks._averaged_per_rank(case["xs"])
+            out.append([m, v, n.clone()])
+        elif mistake == "unbiased":
+            out.append([mean.clone(), var * n / (n - 1), n.clone()])
+        elif mistake == "no all_reduce":
+            lm = ls / ln
+            out.append([lm, lss / ln - lm * lm, ln.clone()])
+        else:
+            out.append([mean.clone(), var.clone(), n.clone()])
+    return out
+
+
+def _grad_outputs(case: dict, mistake: str | None = None) -> list:
+    """Every rank's input gradient, as the solution computes it from all-reduced sums."""
+    dims = [0, *range(2, case["dys"][0].dim())]
+    sums = _summed(
+        [(d.sum(dims), (d * h).sum(dims)) for d, h in zip(case["dys"], case["x_hats"], strict=True)]
+    )
+    out = []
+    for dy, x_hat in zip(case["dys"], case["x_hats"], strict=True):
+        g_dy, g_dyh = sums
+        count = case["count"]
+        if mistake == "local sums":
+            g_dy, g_dyh = dy.sum(dims), (dy * x_hat).sum(dims)
+        elif mistake == "local count":
+            count = dy.numel() / case["weight"].numel()
+        view = (1, -1, *([1] * (dy.dim() - 2)))
+        out.append(
+            (case["weight"] * case["invstd"]).reshape(view)
+            * (dy - (g_dy / count).reshape(view) - x_hat * (g_dyh / count).reshape(view))
+        )
+    return out
+
+
+def _function_outputs(case: dict, mistake: str | None = None) -> list[dict]:
+    """Every rank's outputs of the solution's Function, steps and ranks simulated in order."""
+    from ddp_lab import syncbn as ref
+
+    w, m = case["world_size"], case["momentum"]
+    running_mean, running_var = case["running_mean"].clone(), case["running_var"].clone()
+    outs = [{"y": [], "grad_x": [], "grad_weight": [], "grad_bias": []} for _ in range(w)]
+    for xs, dys in zip(case["xs"], case["dys"], strict=True):
+        s, ss, n = _summed([ref.local_moments(x) for x in xs])
+        mean, var = ref.global_mean_var(s, ss, n)
+        count = n.item()
+        running_mean = (1 - m) * running_mean + m * mean
+        tracked = var if mistake == "biased running var" else var * count / (count - 1)
+        running_var = (1 - m) * running_var + m * tracked
+        invstd = (var + checks.EPS).rsqrt()
+        view = (1, -1, *([1] * (xs[0].dim() - 2)))
+        x_hats = [(x - mean.reshape(view)) * invstd.reshape(view) for x in xs]
+        local = [ref.local_grad_sums(d, h) for d, h in zip(dys, x_hats, strict=True)]
+        g_dy, g_dyh = _summed(local)
+        for r in range(w):
+            sums = local[r] if mistake == "local backward" else (g_dy, g_dyh)
+            dx = ref.batchnorm_input_grad(dys[r], x_hats[r], invstd, case["weight"], *sums, count)
+            d_w, d_b = (g_dyh, g_dy) if mistake == "reduced param grads" else local[r][::-1]
+            outs[r]["y"].append(
+                x_hats[r] * case["weight"].reshape(view) + case["bias"].reshape(view)
+            )
+            outs[r]["grad_x"].append(dx)
+            outs[r]["grad_weight"].append(d_w.clone())
+            outs[r]["grad_bias"].append(d_b.clone())
+    for o in outs:
+        o["running_mean"], o["running_var"] = running_mean.clone(), running_var.clone()
+    return outs
+
+
+#: grade id -> (outputs of one case, the mistakes it can build)
+DISTRIBUTED_OUTPUTS = {
+    "test_ex2_sync_mean_var": (_stats_outputs, ["averaged", "unbiased", "no all_reduce"]),
+    "test_ex3_sync_input_grad": (_grad_outputs, ["local sums", "local count"]),
+    "test_ex4_sync_bn_function": (
+        _function_outputs,
+        ["biased running var", "reduced param grads", "local backward"],
+    ),
+}
+
+
+@pytest.mark.parametrize("grade_id", list(DISTRIBUTED_OUTPUTS))
+def test_property_distributed_verdicts_do_not_depend_on_the_draw(grade_id):
+    """200 draws: every rank's right outputs (simulated in this process) pass; each typical
+    mistake fails."""
+    outputs_of, mistaken = DISTRIBUTED_OUTPUTS[grade_id]
+    for seed in PROPERTY_SEEDS:
+        inputs = _inputs(grade_id, seed)
+
+        def outputs(mistake=None, inputs=inputs):
+            return {"cases": [outputs_of(c, mistake) for c in inputs["cases"]]}
+
+        _assert_verdicts(grade_id, seed, inputs, outputs(), {k: outputs(k) for k in mistaken})
