@@ -18,6 +18,7 @@ Single times mean little on a shared machine; ratios taken minutes apart mean mo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -74,6 +75,7 @@ def plain_ddp_worker(model_name: str, steps: int, batch: int, warmup: int = 5) -
         opt.step()
     dist.barrier()
     write_result({"samples_per_s": steps * batch * world / (time.perf_counter() - t0)})
+    gc.collect()  # see ddp_lab.dist.teardown
     dist.destroy_process_group()
 
 

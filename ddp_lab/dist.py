@@ -11,6 +11,7 @@ environment so that the same script also runs as plain ``python``.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -202,6 +203,10 @@ def _wants_cuda(backend: str) -> bool:
 def teardown() -> None:
     """Leave the process group (a no-op when there is none). Call it once, at the end."""
     if dist.is_available() and dist.is_initialized():
+        # Free unreachable DDP wrappers and autograd graphs first: collected after the group
+        # is gone (at interpreter exit), gloo work they hold can abort the process
+        # ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 

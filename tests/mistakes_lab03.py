@@ -113,38 +113,6 @@ def warmup_lr(step, base_lr, peak_lr, warmup_steps):
 """,
 }
 
-# Ranks 1.. wait for a broadcast that rank 0 never sends; rank 0 then waits in its first
-# gradient all-reduce for ranks that never get there: a deadlock.
-HANGS = {
-    "ex4_my_ddp": """%%writefile my_ddp.py
-import torch
-import torch.distributed as dist
-from torch import nn
-
-
-class MyDDP(nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        world_size = dist.get_world_size()
-        if dist.get_rank() != 0:
-            with torch.no_grad():
-                for param in module.parameters():
-                    dist.recv(param, src=0)
-
-        def average_gradient(param):
-            dist.all_reduce(param.grad)
-            param.grad /= world_size
-
-        for param in module.parameters():
-            param.register_post_accumulate_grad_hook(average_gradient)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-""",
-}
-HANG_LOSES = ["test_ex4_my_ddp"]
-
 
 def _solution_files() -> dict[str, str]:
     """The files the solution notebook's %%writefile cells write: what a cheat would copy."""

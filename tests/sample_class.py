@@ -9,7 +9,7 @@ Students (one folder each, every lab in ``labs/``):
 - ``perfect``: the solutions;
 - ``blank``: the release as handed out;
 - ``mistake``: the release with one typical wrong answer per exercise (``tests/mistakes.py``);
-- ``hang``: the solutions, except that a distributed exercise deadlocks (labs with one);
+- ``hang``: the solutions, except that a distributed exercise deadlocks (``HANG_LABS``);
 - ``cheat``: the release with no-op stubs that try to copy the instructor's answers from
   ``solutions/`` at run time, a cell that monkeypatches every comparison and every public
   check function, test cells edited to print success, and result files forged where the
@@ -35,6 +35,10 @@ from ddp_lab.grading.authoring import dumps  # noqa: E402
 from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta  # noqa: E402
 
 STUDENTS = ("perfect", "blank", "mistake", "hang", "cheat")
+# The hang student submits this lab only (a ring all-reduce whose torchrun job deadlocks):
+# the timeout path is the same for every lab, and each hang costs a full exercise timeout.
+# A deadlock is also tested directly in tests/test_lab02.py and tests/test_lab04.py.
+HANG_LABS = ("lab02_collectives",)
 
 CHEAT_CELL = """
 # A student who wants the points without the work.
@@ -79,10 +83,12 @@ except Exception:
 
 
 def steal(lab: str, gid: str, stub: str) -> str:
-    """The cheat's version of a solution cell: a no-op that tries to run the instructor's."""
-    code = STEAL.format(lab=lab, nb=f"{lab}.ipynb", gid=gid).strip() + "\n"
-    first = stub.split("\n", 1)[0]
-    return f"{first}\n{code}" if first.startswith("%%writefile") else code
+    """The cheat's version of a solution cell: the released stub made a no-op, then an
+    attempt to run the instructor's cell over it."""
+    noop = stub.replace("raise NotImplementedError()", "pass")
+    return (
+        noop.rstrip("\n") + "\n" + STEAL.format(lab=lab, nb=f"{lab}.ipynb", gid=gid).strip() + "\n"
+    )
 
 
 def labs() -> list[str]:
@@ -125,6 +131,8 @@ def make_student(kind: str, lab: str) -> tuple[dict, dict[str, str]] | None:
     if kind == "mistake":
         return _replace_solutions(_notebook("release", lab), mistakes.MISTAKES[lab]), {}
     if kind == "hang":
+        if lab not in HANG_LABS:
+            return None
         hang = mistakes.HANGS.get(lab)
         nb = _strip_hidden_tests({**_notebook("solution", lab), "_lab": lab})
         return (_replace_solutions(nb, hang) if hang else nb), {}
@@ -198,7 +206,7 @@ def expected_rows() -> list[dict[str, str]]:
         table = expected_scores(lab)
         top = sum(table["perfect"].values())
         for student in STUDENTS:
-            if student == "hang" and lab not in mistakes.HANGS:
+            if student == "hang" and lab not in HANG_LABS:
                 continue
             score = sum(table[student].values())
             rows.append(

@@ -270,15 +270,6 @@ def _notebook_with(sources: dict[str, str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_grader_passes_the_solutions():
-    verdicts = judge_notebook(load(NOTEBOOK), LAB)
-    assert set(verdicts) == set(EXERCISES)
-    for v in verdicts.values():
-        assert v.passed, str(v)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_grader_fails_each_typical_mistake_with_its_reason():
     verdicts = judge_notebook(_notebook_with(mistakes.MISTAKES), LAB)
     reasons = {

@@ -21,6 +21,7 @@ says why, instead of waiting for the whole job's timeout.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -776,6 +777,7 @@ def _worker(kind: str, path: str) -> None:
     from ddp_lab.launch import write_result
 
     write_result({"world_size": n, "ranks": everyone})
+    gc.collect()  # see ddp_lab.dist.teardown
     dist.destroy_process_group()
 
 

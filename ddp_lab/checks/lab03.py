@@ -24,6 +24,7 @@ two pure functions (sharding, learning rates) in one process.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -1313,6 +1314,7 @@ def _worker(kind: str, folder: str) -> None:
         out["ddp_final"] = _state(model)
     torch.save(out, Path(folder) / f"rank{rank}.pt")
     dist.barrier()
+    gc.collect()  # see ddp_lab.dist.teardown
     dist.destroy_process_group()
 
 

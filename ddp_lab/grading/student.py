@@ -13,6 +13,7 @@ in another one. Distributed exercises start ``torchrun -m ddp_lab.grading.studen
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -113,7 +114,9 @@ def run_rank_worker(lab: str, grade_id: str, workdir: Path, case_index: int) -> 
         for name, fn in saved.items():
             setattr(dist, name, fn)
     torch.save(out, workdir / f"case{case_index}-rank{rank}.pt")
+    del out, ns  # the student's objects go while the group still exists
     dist.barrier()
+    gc.collect()  # see ddp_lab.dist.teardown
     dist.destroy_process_group()
 
 

@@ -32,7 +32,7 @@ from ddp_lab import proctree
 from ddp_lab.grading.exercise import Exercise, exercises, lab_of_notebook
 from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
-from ddp_lab.grading.sandbox import confine
+from ddp_lab.grading.sandbox import confine, course_roots
 
 JUDGE_TIMEOUT_S = 120.0
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -120,6 +120,16 @@ def _run_student(
     }, ""
 
 
+def released_stubs(lab: str) -> dict[str, str]:
+    """``grade_id -> source`` of the released notebook's solution cells (the stubs students
+    start from), from ``labs/`` of the course; ``{}`` when no release is found."""
+    for root in course_roots():
+        path = root / "labs" / lab / f"{lab}.ipynb"
+        if path.is_file():
+            return solution_sources(load(path))
+    return {}
+
+
 def judge_notebook(
     notebook: str | Path | Mapping,
     lab: str | None = None,
@@ -151,6 +161,7 @@ def judge_notebook(
     table = exercises(lab)
     wanted = list(table) if grade_ids is None else list(grade_ids)
     sources = solution_sources(notebook)
+    stubs = released_stubs(lab)
     hashes = package_hashes()
     verdicts: dict[str, Verdict] = {}
     started: dict[str, float] = {}
@@ -161,6 +172,13 @@ def judge_notebook(
         private.mkdir()
         for gid in wanted:
             ex = table[gid]
+            untouched = [
+                c for c in ex.cells if c in stubs and sources.get(c, "").strip() == stubs[c].strip()
+            ]
+            if untouched:  # it would raise NotImplementedError: no need to start processes
+                why = f"not attempted: {', '.join(untouched)} is still the released stub"
+                verdicts[gid] = Verdict(gid, ex.title, False, why, 0.0)
+                continue
             t0 = time.monotonic()
             item_seed = secrets.randbits(62) if seed is None else seed
             item, why = _run_student(ex, lab, sources, tmp, private, item_seed)
