@@ -251,7 +251,8 @@ def compare(
     for row in got_rows:
         key = (row["assignment"], row["student_id"])
         if key not in want:
-            problems.append(f"{key[1]} in {key[0]}: not in the sample class")
+            if row["score"] != "0":  # nbgrader exports 0 for a student without a submission
+                problems.append(f"{key[1]} in {key[0]}: not in the sample class")
         elif row != want[key]:
             problems.append(
                 f"{key[1]} in {key[0]}: expected {want[key]['score']}/{want[key]['max_score']}, "

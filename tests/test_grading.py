@@ -248,6 +248,19 @@ def test_autograde_scores_the_sample_class(released, lab, tmp_path):
     assert not _leftover_processes(str(course)), "a process of the grading run survived"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_autograde_on_a_fresh_clone_registers_the_labs_itself(released, tmp_path):
+    """A fresh clone has no gradebook: `make autograde` puts the lab into it, then grades."""
+    lab = LABS[0]
+    course = tmp_path / "course"
+    shutil.copytree(released, course)
+    (course / "grading" / "gradebook.db").unlink()
+    out = autograde_class(course, lab, ["blank"])
+    assert f"{lab} is not in the gradebook yet" in out, out
+    assert cell_scores(course, lab)["blank"] == sample_class.expected_scores(lab)["blank"]
+
+
 def test_expected_grades_csv_is_up_to_date():
     """tests/expected_grades.csv (what `make autograde` must export for the sample class)
     says what the notebooks' points and the mistakes files say."""

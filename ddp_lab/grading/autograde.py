@@ -89,6 +89,31 @@ def grade_one(
     return student, lab, status, run.seconds
 
 
+def register_missing(root: Path, labs: set[str]) -> list[str]:
+    """Put the labs the gradebook does not know yet into it (``nbgrader generate_assignment``,
+    what ``make release`` runs: it rewrites ``labs/<lab>`` identically); return them.
+
+    nbgrader can only grade an assignment whose cells the gradebook knows, and a fresh
+    clone has no gradebook.
+    """
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{root / 'grading' / 'gradebook.db'}") as gb:
+        known = {a.name for a in gb.assignments}
+    missing = sorted(labs - known)
+    nbgrader = Path(sys.executable).with_name("nbgrader")
+    for lab in missing:
+        print(
+            f"{PROG}: {lab} is not in the gradebook yet: nbgrader generate_assignment", flush=True
+        )
+        subprocess.run(
+            [str(nbgrader), "generate_assignment", lab, "--force", "--create", "--log-level=WARN"],
+            cwd=str(root),
+            check=True,
+        )
+    return missing
+
+
 def scores(root: Path) -> dict[tuple[str, str], tuple[float, float]]:
     """``(student, lab) -> (score, max_score)`` from the gradebook."""
     from nbgrader.api import Gradebook
@@ -167,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             "write to the course; grade in a container (README, 'Grading sandbox')",
             file=sys.stderr,
         )
+    (root / "grading").mkdir(exist_ok=True)
+    register_missing(root, {lab for _, lab in pairs})
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(
