@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab import collectives
-from ddp_lab.checks import CheckFailed
+from ddp_lab.checks import CheckFailed, launch_problem
 from ddp_lab.checks import lab02 as checks
 from ddp_lab.grading.exercise import exercises
 from ddp_lab.grading.notebook import load, nbgrader_meta, solution_sources, split_magics
@@ -382,7 +382,7 @@ def test_launch_problem_quotes_the_students_error_and_line():
     class Err(Exception):
         result = Result()
 
-    text = checks._launch_problem(Err("boom"), "ring.py")
+    text = launch_problem(Err("boom"), "ring.py")
     assert text == "ring.py failed on rank 0: NotImplementedError (ring.py line 17)"
 
 

@@ -19,6 +19,7 @@ A test cell looks like::
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,3 +100,17 @@ def make_verdict(lab: str, notebook: str | None = None) -> Callable[[str], None]
         passed(f"{grade_id} (judged outside this kernel on the saved notebook): {v.message}")
 
     return verdict
+
+
+def launch_problem(err: Exception, filename: str) -> str:
+    """The student's error from a failed torchrun job (``ddp_lab.launch.LaunchError``):
+    the first rank that raised, its message, and the line of ``filename`` it came from."""
+    logs = getattr(getattr(err, "result", None), "logs", None) or {}
+    for rank in sorted(r for r in logs if r >= 0):
+        lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in logs[rank].splitlines()]
+        errors = [line.strip() for line in lines if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
+        if errors:
+            places = re.findall(rf'File "[^"]*{re.escape(filename)}", line (\d+)', logs[rank])
+            at = f" ({filename} line {places[-1]})" if places else ""
+            return f"{filename} failed on rank {rank}: {errors[-1][:400]}{at}"
+    return f"{filename} failed: {str(err).splitlines()[0]}"

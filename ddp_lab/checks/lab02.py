@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import re
 import runpy
 import sys
 import threading
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddp_lab.checks import CheckFailed, make_verdict, passed
+from ddp_lab.checks import CheckFailed, launch_problem, make_verdict, passed
 from ddp_lab.grading.exercise import Exercise
 
 LAB = "lab02_collectives"
@@ -409,19 +408,6 @@ def fit_problem(got, sizes: np.ndarray, seconds: np.ndarray, n: int) -> str | No
 # --------------------------------------------------------------------------- visible checks
 
 
-def _launch_problem(err: Exception, filename: str) -> str:
-    """The student's error from a failed torchrun job: rank, message and line of their file."""
-    logs = getattr(getattr(err, "result", None), "logs", None) or {}
-    for rank in sorted(r for r in logs if r >= 0):
-        lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in logs[rank].splitlines()]
-        errors = [line.strip() for line in lines if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
-        if errors:
-            places = re.findall(rf'File "[^"]*{re.escape(filename)}", line (\d+)', logs[rank])
-            at = f" ({filename} line {places[-1]})" if places else ""
-            return f"{filename} failed on rank {rank}: {errors[-1][:400]}{at}"
-    return f"{filename} failed: {str(err).splitlines()[0]}"
-
-
 def _run_visible(kind: str, path: str, world_size: int) -> dict:
     from ddp_lab.launch import LaunchError, LaunchTimeout, torchrun
 
@@ -445,7 +431,7 @@ def _run_visible(kind: str, path: str, world_size: int) -> dict:
             "first (see 'What goes wrong')."
         ) from None
     except LaunchError as err:
-        raise CheckFailed(_launch_problem(err, Path(path).name)) from None
+        raise CheckFailed(launch_problem(err, Path(path).name)) from None
     if not res.result:
         raise CheckFailed(f"{path}: the check's workers returned no result")
     return res.result

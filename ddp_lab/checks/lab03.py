@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_lab.checks import CheckFailed, make_verdict, passed
+from ddp_lab.checks import CheckFailed, launch_problem, make_verdict, passed
 from ddp_lab.grading.exercise import Exercise
 
 LAB = "lab03_ddp"
@@ -719,19 +718,6 @@ def _train_judge(inputs: dict, outputs: dict) -> str:
     )
 
 
-def _launch_problem(err: Exception, filename: str) -> str:
-    """The student's error from a failed torchrun job: rank, message and line of their file."""
-    logs = getattr(getattr(err, "result", None), "logs", None) or {}
-    for rank in sorted(r for r in logs if r >= 0):
-        lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in logs[rank].splitlines()]
-        errors = [line.strip() for line in lines if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
-        if errors:
-            places = re.findall(rf'File "[^"]*{re.escape(filename)}", line (\d+)', logs[rank])
-            at = f" ({filename} line {places[-1]})" if places else ""
-            return f"{filename} failed on rank {rank}: {errors[-1][:400]}{at}"
-    return f"{filename} failed: {str(err).splitlines()[0]}"
-
-
 def _torchrun_or_fail(target: str, args: Sequence[str], nproc: int, filename: str, **kw):
     from ddp_lab.launch import LaunchError, LaunchTimeout, torchrun
 
@@ -744,7 +730,7 @@ def _torchrun_or_fail(target: str, args: Sequence[str], nproc: int, filename: st
             "call, or ranks that run different numbers of steps?)"
         ) from None
     except LaunchError as err:
-        raise CheckFailed(_launch_problem(err, filename)) from None
+        raise CheckFailed(launch_problem(err, filename)) from None
 
 
 #: The run the visible check of ``ddp_train.py`` makes (the script's own flags).

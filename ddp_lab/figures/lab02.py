@@ -13,24 +13,19 @@ cell that ends with the call shows it exactly once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-if not os.environ.get("DISPLAY") and "inline" not in matplotlib.get_backend().lower():
-    matplotlib.use("Agg")
+from ddp_lab.collectives import ring_allreduce_time, ring_schedule
+from ddp_lab.figures.style import COLORS
+from ddp_lab.figures.style import done as _done
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
-
-from ddp_lab.collectives import ring_allreduce_time, ring_schedule  # noqa: E402
-
-COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3")
 SUM = "#7F7F7F"
 FOUR = ("broadcast", "all_reduce", "all_gather", "reduce_scatter")
 CAPTIONS = {
@@ -39,12 +34,6 @@ CAPTIONS = {
     "all_gather": "all_gather(parts, t): everyone gets every tensor",
     "reduce_scatter": "reduce_scatter(out, chunks): rank r gets the sum of chunk r",
 }
-
-
-def _done(fig: Figure) -> Figure:
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
 
 
 def _cells(ax, y: float, values: Sequence[float], colors: Sequence[str], x0: float = 0.0):

@@ -6,43 +6,19 @@ cell that ends with the call shows it exactly once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
-import matplotlib
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
-if not os.environ.get("DISPLAY") and "inline" not in matplotlib.get_backend().lower():
-    matplotlib.use("Agg")
+from ddp_lab.figures.style import COLORS, GREY
+from ddp_lab.figures.style import arrow as _arrow
+from ddp_lab.figures.style import box as _box
+from ddp_lab.figures.style import done as _done
 
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
-
-COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3")
-GREY = "#8C8C8C"
 LIGHT = "#E5E5E5"
-
-
-def _done(fig: Figure) -> Figure:
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
-
-
-def _box(ax, x, y, w, h, text, color, alpha=0.25, fontsize=9):
-    ax.add_patch(
-        FancyBboxPatch(
-            (x, y), w, h, boxstyle="round,pad=0.02", facecolor=color, edgecolor=color, alpha=alpha
-        )
-    )
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
-
-
-def _arrow(ax, start, end, color="black", style="-|>"):
-    ax.add_patch(
-        FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=10, color=color, lw=1)
-    )
 
 
 def ddp_step(world_size: int = 2) -> Figure:
