@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -105,3 +107,18 @@ def _entry(fn, rank: int, world_size: int, tmp_dir: str, args: tuple) -> None:
         fn(rank, world_size, tmp_dir, *args)
     finally:
         dist.destroy_process_group()
+
+
+def assert_verdicts(judge, seed: int, inputs: dict, right: dict, wrongs: dict) -> None:
+    """``judge`` accepts the right outputs and rejects every wrong one (``name -> outputs``)
+    for the inputs drawn with ``seed`` (the labs' property tests over many draws)."""
+    from ddp_lab.checks import CheckFailed
+
+    try:
+        judge(inputs, right)
+    except CheckFailed as err:
+        pytest.fail(f"seed {seed}: the right answer failed: {err}")
+    for name, outputs in wrongs.items():
+        with pytest.raises(CheckFailed):
+            judge(inputs, outputs)
+            pytest.fail(f"seed {seed}: the mistake {name!r} passed")
