@@ -158,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--out", default="runs/train", help="folder for summary.json, metrics.jsonl and model.pt"
     )
+    r.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="write a metrics record (loss averaged over the steps since the last record "
+        "and over ranks, lr, grad norm, samples/s) every N optimizer steps and on the last "
+        "step; between records a step costs no host sync and no extra collective (1: every "
+        "step, as a debugging aid)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     r.add_argument(
         "--dry-run",
@@ -199,6 +208,7 @@ class Config:
     pg_timeout: float
     tensorboard: str | None
     out: str
+    log_every: int
     no_progress: bool
     dry_run: bool
 
@@ -220,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--accum-steps": cfg.accum_steps,
         "--train-size": cfg.train_size,
         "--test-size": cfg.test_size,
+        "--log-every": cfg.log_every,
     }
     if cfg.max_steps is not None:
         positive["--max-steps"] = cfg.max_steps
@@ -298,8 +309,90 @@ def _progress(total: int, env: DistEnv, cfg: Config):
     )
 
 
+class Clock:
+    """Training time: from the end of the first step, without evaluation and checkpoints.
+
+    The first step is warm-up (allocations, DDP's bucket rebuild) and is not timed.
+    ``with clock.paused("eval"):`` keeps a block out of the training time and adds its
+    duration to ``clock.other["eval"]``.
+
+    Example:
+        >>> clock = Clock()
+        >>> clock.start()
+        >>> with clock.paused("eval"):
+        ...     pass
+        >>> clock.train_seconds() >= 0.0
+        True
+    """
+
+    def __init__(self) -> None:
+        self.t0: float | None = None
+        self.pause = 0.0
+        self.other: dict[str, float] = {}
+
+    def start(self) -> None:
+        """Start the training clock (at the end of the first step)."""
+        self.t0, self.pause = time.perf_counter(), 0.0
+
+    @contextlib.contextmanager
+    def paused(self, what: str):
+        """Keep the block's time out of the training time; add it to ``other[what]``."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            self.pause += dt
+            self.other[what] = self.other.get(what, 0.0) + dt
+
+    def train_seconds(self) -> float:
+        """Seconds of training since :meth:`start` (NaN before it)."""
+        return float("nan") if self.t0 is None else time.perf_counter() - self.t0 - self.pause
+
+
+class Window:
+    """What the loop accumulates between two metrics records, without a host sync.
+
+    The loss sum stays a device tensor; counts and times are host numbers the loop already
+    has. :meth:`close` does the record's one all-reduce and one host read.
+    """
+
+    def __init__(self, env: DistEnv, clock: Clock) -> None:
+        self.env, self.clock = env, clock
+        self.loss = torch.zeros((), device=env.device)
+        self.steps = self.timed_steps = 0
+        self.t0: float | None = None
+        self.pause0 = 0.0
+
+    def add_step(self) -> None:
+        """Count one optimizer step; the first one of the run starts the clocks."""
+        self.steps += 1
+        if self.clock.t0 is None:
+            self.clock.start()
+            self.t0, self.pause0 = self.clock.t0, 0.0
+        else:
+            self.timed_steps += 1
+
+    def close(self, global_batch: int) -> dict[str, float]:
+        """Mean loss over the window's steps and all ranks, samples/s; then start anew."""
+        mean = all_reduce_sum(self.loss.reshape(1), self.env).item()
+        mean /= self.env.world_size * self.steps
+        now = time.perf_counter()
+        seconds = now - self.t0 - (self.clock.pause - self.pause0)
+        rate = self.timed_steps * global_batch / seconds if self.timed_steps else float("nan")
+        self.loss.zero_()
+        self.steps = self.timed_steps = 0
+        self.t0, self.pause0 = now, self.clock.pause
+        return {"loss": mean, "samples_per_s": rate}
+
+
 def train(cfg: Config, env: DistEnv) -> dict:
     """Train as ``cfg`` says on the process group ``env``; rank 0 writes the outputs.
+
+    Per step the loop does no host sync and no collective besides DDP's gradient
+    all-reduce: the loss stays on the device and is averaged over ranks and steps only
+    every ``--log-every`` steps (and on the last step); the gradient norm is computed only
+    on those steps or when clipping needs it.
 
     Returns:
         The summary dict (also written to ``cfg.out/summary.json`` by rank 0).
@@ -350,14 +443,15 @@ def train(cfg: Config, env: DistEnv) -> dict:
         f"{PROG}: {env.world_size} process(es), backend {env.backend}, device "
         f"{env.device.type}; model {cfg.model}, dataset {cfg.dataset} ({len(train_set)} "
         f"train / {len(test_set)} test); {total_steps} steps of global batch {global_batch}, "
-        f"lr {lr:g}",
+        f"lr {lr:g}; a record every {cfg.log_every} step(s)",
         env=env,
         file=sys.stderr,
     )
 
     step, last_loss, evals = 0, float("nan"), []
+    clock = Clock()
+    window = Window(env, clock)  # between two records: no .item(), no extra collective
     t_start = time.perf_counter()
-    t_timed = None  # throughput is measured from the end of the first step (warm-up)
     bar = _progress(total_steps, env, cfg)
     for epoch in range(cfg.epochs):
         if step >= total_steps:
@@ -367,8 +461,6 @@ def train(cfg: Config, env: DistEnv) -> dict:
         for _ in range(steps_per_epoch):
             if step >= total_steps:
                 break
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=env.device)
             for micro in range(cfg.accum_steps):
                 x, y = next(batches)
                 x = x.to(env.device, non_blocking=True)
@@ -384,40 +476,42 @@ def train(cfg: Config, env: DistEnv) -> dict:
                     with _autocast(cfg, env):
                         loss = torch.nn.functional.cross_entropy(model(x), y)
                     scaler.scale(loss / cfg.accum_steps).backward()
-                loss_sum += loss.detach().float()
+                window.loss += loss.detach().float() / cfg.accum_steps
+            log_now = (step + 1) % cfg.log_every == 0 or step + 1 == total_steps
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            grad_norm = None
             if cfg.clip_grad_norm is not None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
-            else:
+            elif log_now:  # the norm costs a pass over the gradients: only when recorded
                 grad_norm = _grad_norm(params)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            window.add_step()
 
-            mean_loss = all_reduce_sum([loss_sum.item() / cfg.accum_steps], env).item()
-            mean_loss /= env.world_size
-            dt = time.perf_counter() - t0
-            if step == 1:
-                t_timed = time.perf_counter()
-            last_loss = mean_loss
-            if env.is_rank0:
-                record = {
-                    "step": step,
-                    "epoch": epoch,
-                    "loss": mean_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "samples_per_s": global_batch / dt,
-                }
-                metrics.write(json.dumps(record) + "\n")
-                if writer is not None:
-                    for key in ("loss", "lr", "grad_norm", "samples_per_s"):
-                        writer.add_scalar(f"train/{key}", record[key], step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{mean_loss:.3f}", refresh=False)
-        sync_buffers(model, env)
-        ev = data_mod.evaluate(unwrap(model), test_set, env)
+            if log_now:  # one all-reduce and one host read per record, not per step
+                steps_in_window = window.steps
+                stats = window.close(global_batch)
+                last_loss = stats["loss"]
+                if env.is_rank0:
+                    record = {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": stats["loss"],
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "samples_per_s": stats["samples_per_s"],
+                    }
+                    metrics.write(json.dumps(record) + "\n")
+                    if writer is not None:
+                        for key in ("loss", "lr", "grad_norm", "samples_per_s"):
+                            writer.add_scalar(f"train/{key}", record[key], step)
+                    bar.update(steps_in_window)
+                    bar.set_postfix(loss=f"{last_loss:.3f}", refresh=False)
+        with clock.paused("eval"):
+            sync_buffers(model, env)
+            ev = data_mod.evaluate(unwrap(model), test_set, env)
         evals.append({"epoch": epoch, "step": step, **ev})
         if writer is not None:
             writer.add_scalar("eval/accuracy", ev["accuracy"], step)
@@ -429,7 +523,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
         )
     bar.close()
     seconds = time.perf_counter() - t_start
-    timed = time.perf_counter() - t_timed if t_timed is not None else float("nan")
+    train_seconds = clock.train_seconds()
     summary = {
         "final_loss": last_loss,
         "accuracy": evals[-1]["accuracy"],
@@ -439,10 +533,14 @@ def train(cfg: Config, env: DistEnv) -> dict:
         "world_size": env.world_size,
         "backend": env.backend,
         "device": env.device.type,
-        "samples_per_s": (step - 1) * global_batch / timed if step > 1 else float("nan"),
+        # training steps only: from the end of the first step, evaluation excluded
+        "samples_per_s": (step - 1) * global_batch / train_seconds if step > 1 else float("nan"),
+        "train_seconds": train_seconds,
+        "eval_seconds": clock.other.get("eval", 0.0),
         "seconds": seconds,
         "global_batch": global_batch,
         "lr": lr,
+        "log_every": cfg.log_every,
         "evals": evals,
         "config": asdict(cfg),
     }

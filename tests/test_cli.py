@@ -75,6 +75,8 @@ ALL_FLAGS = [
     "TB",
     "--out",
     "OUT",
+    "--log-every",
+    "1",
     "--no-progress",
 ]
 
@@ -110,7 +112,10 @@ def test_every_flag_passes_through_real_torchrun(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_outputs_have_the_documented_fields(trainer):
-    proc, out = trainer("run", ["--train-size", "96", "--test-size", "20", "--batch-size", "16"])
+    # --log-every 1: a record per step (the default, 10, records steps 10, 20, ... and the last)
+    proc, out = trainer(
+        "run", ["--train-size", "96", "--test-size", "20", "--batch-size", "16", "--log-every", "1"]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "single process" in proc.stderr  # said once on start
     summary = json.loads((out / "summary.json").read_text())
