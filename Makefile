@@ -81,7 +81,7 @@ grades: $(STAMP)  ## export the gradebook to grading/grades.csv
 	@echo "wrote grading/grades.csv"
 
 sample-class: $(STAMP)  ## put a demo class (perfect, blank, mistake, hang, cheat) into grading/submitted
-	$(PY) tests/sample_class.py grading/submitted
+	$(PY) -m ddp_lab.grading.sample_class grading/submitted
 
 clean:  ## remove run outputs (keeps .venv)
 	rm -rf runs results .pytest_cache .ruff_cache

@@ -1,29 +1,44 @@
-"""Helpers the tests share: subprocess runners with a timeout that kill the process tree."""
+"""Helpers the tests share (one kit, so that no test file grows its own copy):
+
+- subprocess runners with a timeout that kill the process tree (:func:`run_tree`,
+  :func:`run_trainer`), in the course's child environment (:func:`ddp_lab.childenv.child_env`);
+- notebooks: a lab's solution and released sources (:func:`solution_sources`,
+  :func:`released_sources`), a lab notebook with some solution cells replaced
+  (:func:`notebook_with`);
+- processes: what is left alive that mentions a marker (:func:`leftover_processes`,
+  :func:`new_leftovers`);
+- gloo groups joined through a ``file://`` store, no port (:func:`spawn_gloo`,
+  :func:`join_gloo`);
+- verdicts over many draws (:func:`assert_verdicts`).
+"""
 
 from __future__ import annotations
 
+import copy
+import datetime
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
+from ddp_lab.childenv import child_env
+from ddp_lab.grading.notebook import is_solution, load, nbgrader_meta
+from ddp_lab.grading.notebook import solution_sources as _sources
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = Path(REPO)
 
 
 def run_tree(
     cmd: list[str], timeout: float = 240, env: dict | None = None, cwd: str | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole process group and fail."""
-    full_env = {
-        **os.environ,
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        **(env or {}),
-    }
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    full_env = child_env({"PATH": path, "OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -90,29 +105,93 @@ def spawn_gloo(fn, world_size: int, tmp_dir: str, *args, timeout: float = 120) -
                 p.join()
 
 
-def _entry(fn, rank: int, world_size: int, tmp_dir: str, args: tuple) -> None:
-    import datetime
+def join_gloo(rank: int, world_size: int, store_dir: str | Path, timeout_s: float = 60) -> None:
+    """Join a gloo group of ``world_size`` through the file ``store_dir/pg-store`` (no port)."""
+    import torch.distributed as dist
 
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(store_dir) / 'pg-store'}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _entry(fn, rank: int, world_size: int, tmp_dir: str, args: tuple) -> None:
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_dir}/pg-store",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, world_size, tmp_dir)
     try:
         fn(rank, world_size, tmp_dir, *args)
     finally:
         dist.destroy_process_group()
 
 
+# --- notebooks ---------------------------------------------------------------------------
+
+
+def lab_notebook(lab: str, folder: str = "solutions") -> dict:
+    """A lab's notebook as JSON: ``folder`` is ``"solutions"`` (source) or ``"labs"`` (release)."""
+    return load(ROOT / folder / lab / f"{lab}.ipynb")
+
+
+def solution_sources(lab: str) -> dict[str, str]:
+    """``grade_id -> source`` of the solution cells of a lab's *solutions* notebook."""
+    return _sources(lab_notebook(lab, "solutions"))
+
+
+def released_sources(lab: str) -> dict[str, str]:
+    """``grade_id -> source`` of the solution cells as released (the stubs)."""
+    return _sources(lab_notebook(lab, "labs"))
+
+
+def notebook_with(lab: str, replace: Mapping[str, str], folder: str = "solutions") -> dict:
+    """The lab's notebook with the solution cells named in ``replace`` swapped for new sources.
+
+    Example:
+        >>> nb = notebook_with("lab01_data_parallel", {"ex2_average_gradients": "x = 1"})
+    """
+    nb = copy.deepcopy(lab_notebook(lab, folder))
+    unknown = set(replace) - {nbgrader_meta(c).get("grade_id") for c in nb["cells"]}
+    assert not unknown, f"{lab} has no solution cells {sorted(unknown)}"
+    for cell in nb["cells"]:
+        gid = nbgrader_meta(cell).get("grade_id")
+        if is_solution(cell) and gid in replace:
+            cell["source"] = replace[gid]
+    return nb
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def leftover_processes(marker: str) -> list[str]:
+    """Live processes (not zombies, not this one) whose command line or working folder
+    contains ``marker``, as ``"pid: command (in cwd)"``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (marker in cmd or marker in cwd) and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd[:200]} (in {cwd})")
+    return found
+
+
+def new_leftovers(before: set[str], marker: str) -> list[str]:
+    """:func:`leftover_processes` among the processes started since ``before``
+    (``before = set(os.listdir("/proc"))`` taken earlier)."""
+    return [p for p in leftover_processes(marker) if p.split(":", 1)[0] not in before]
+
+
 def assert_verdicts(judge, seed: int, inputs: dict, right: dict, wrongs: dict) -> None:
     """``judge`` accepts the right outputs and rejects every wrong one (``name -> outputs``)
     for the inputs drawn with ``seed`` (the labs' property tests over many draws)."""
-    from ddp_lab.checks import CheckFailed
+    from ddp_lab.checks.failure import CheckFailed
 
     try:
         judge(inputs, right)

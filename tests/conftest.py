@@ -7,6 +7,12 @@ import os
 # Set before torch is imported by any test: 2 cores, several processes per test.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+# The grader's self-test lab (tests/selftest), for this process and every child it starts.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["DDP_LAB_EXTRA_CHECKS"] = "selftest"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_TESTS, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+)
 
 import pytest  # noqa: E402
 from _harness import run_trainer  # noqa: E402

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import sample_class
 from _harness import run_tree
 
-from ddp_lab.grading.exercise import exercises
+from ddp_lab.grading import sample_class
+from ddp_lab.checks.contract import exercises
 from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta, source_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,8 +140,8 @@ def test_every_test_cell_has_an_out_of_kernel_exercise(lab):
     for ex in table.values():
         assert set(ex.cells) <= solutions, f"{ex.grade_id} names unknown solution cells"
         src = source_of(next(c for c in cells if nbgrader_meta(c).get("grade_id") == ex.grade_id))
-        assert f'verdict("{ex.grade_id}")' in src.split("### BEGIN HIDDEN TESTS")[-1], (
-            f"{ex.grade_id}: its hidden part must call verdict({ex.grade_id!r})"
+        assert f'hidden_test("{ex.grade_id}")' in src.split("### BEGIN HIDDEN TESTS")[-1], (
+            f"{ex.grade_id}: its hidden part must call hidden_test({ex.grade_id!r})"
         )
 
 
@@ -266,7 +266,8 @@ def test_expected_grades_csv_is_up_to_date():
     says what the notebooks' points and the mistakes files say."""
     committed = sample_class.read_rows(sample_class.EXPECTED_CSV)
     assert committed == sample_class.expected_rows(), (
-        "regenerate: python tests/sample_class.py --write-expected tests/expected_grades.csv"
+        "regenerate: python -m ddp_lab.grading.sample_class "
+        "--write-expected tests/expected_grades.csv"
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lab import launch
+from ddp_lab import proctree
 from ddp_lab.launch import (
     LaunchError,
     LaunchFailed,
@@ -26,6 +26,9 @@ from ddp_lab.launch import (
     torchrun,
     write_result,
 )
+from ddp_lab.launch import logs as launch_logs
+from ddp_lab.launch import messages as launch_messages
+from ddp_lab.launch.__main__ import main as launch_main
 
 ALL_REDUCE = """
     import sys
@@ -181,7 +184,7 @@ def test_failing_rank_raises_launch_failed_naming_rank_and_error(tmp_path, capsy
     assert "exit code 1" in message
     assert "rank 1 failed first" in message
     assert "ValueError: boom from rank 1" in message
-    assert len(message.splitlines()) <= launch.TAIL_LINES + 2  # a tail, not a wall
+    assert len(message.splitlines()) <= launch_messages.TAIL_LINES + 2  # a tail, not a wall
     assert info.value.result is not None and info.value.result.returncode != 0
     out = capsys.readouterr().out
     assert "[rank1] ValueError: boom from rank 1" in out
@@ -196,7 +199,7 @@ def test_check_false_returns_the_failed_result(tmp_path, capsys):
     res = torchrun(str(script), nproc=2, timeout=50, check=False, stream=False)
     assert res.returncode != 0 and not res.ok
     assert "rank 1 gives up" in res.logs[1] and "rank 0 done" in res.logs[0]
-    assert launch._first_failure(res) == (1, 3)
+    assert launch_messages.first_failure(res) == (1, 3)
     assert res.result is None
     assert capsys.readouterr().out == ""
 
@@ -223,7 +226,7 @@ def test_timeout_kills_torchrun_and_every_worker(tmp_path):
     started = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
         torchrun(str(script), [str(tmp_path)], nproc=2, timeout=10, stream=False)
-    assert time.monotonic() - started < 10 + launch.GRACE_S + 10
+    assert time.monotonic() - started < 10 + proctree.GRACE_S + 10
 
     message = str(info.value)
     assert "did not finish within 10 s" in message
@@ -285,7 +288,7 @@ def test_two_launches_at_once_do_not_collide(tmp_path, capsys):
 
 @pytest.mark.timeout(10)
 def test_summary_view_shows_rank0_and_only_error_lines_of_others(capsys):
-    printer = launch._Printer("summary")
+    printer = launch_logs.Printer("summary")
     printer.line(-1, "W1129 08:00:35 torchrun agent warning")
     printer.line(0, "epoch 1 loss 0.5")
     printer.line(1, "epoch 1 loss 0.5")
@@ -319,19 +322,19 @@ def test_summary_view_shows_rank0_and_only_error_lines_of_others(capsys):
 
 @pytest.mark.timeout(10)
 def test_summary_view_is_capped_but_keeps_errors(capsys):
-    printer = launch._Printer("summary")
+    printer = launch_logs.Printer("summary")
     for step in range(1000):
         printer.line(0, f"step {step}")
     printer.line(0, "RuntimeError: late failure")
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == launch.SUMMARY_MAX_LINES + 2
+    assert len(out) == launch_logs.SUMMARY_MAX_LINES + 2
     assert "result.logs" in out[-2] and out[-1] == "[rank0] RuntimeError: late failure"
 
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("mode", [None, "all"])
 def test_other_stream_modes(mode, capsys):
-    printer = launch._Printer(mode)
+    printer = launch_logs.Printer(mode)
     printer.line(-1, "agent line")
     printer.line(1, "rank 1 line")
     printer.note("torchrun: 2 processes, exit 0, 1.0 s")
@@ -345,7 +348,7 @@ def test_other_stream_modes(mode, capsys):
 @pytest.mark.timeout(10)
 def test_follower_returns_only_complete_lines(tmp_path):
     path = tmp_path / "stdout.log"
-    follower = launch._Follower(path)
+    follower = launch_logs.Follower(path)
     assert follower.read() == []  # the file does not exist yet
     path.write_bytes(b"one\ntw")
     assert follower.read() == ["one"]
@@ -371,19 +374,19 @@ def test_failure_message_names_root_cause_and_quotes_a_short_tail():
     """)
     rank1 = "".join(f"step {i}\n" for i in range(100)) + "[rank1]: MemoryError\n"
     res = _result({-1: agent, 0: "fine\n", 1: rank1})
-    rank, code = launch._first_failure(res)
+    rank, code = launch_messages.first_failure(res)
     assert (rank, code) == (1, -9)
-    message = launch._failure_message(res, "train.py", rank, code)
+    message = launch_messages.failure_message(res, "train.py", rank, code)
     lines = message.splitlines()
     assert "exit code 1" in lines[0] and "rank 1 failed first (SIGKILL" in lines[0]
-    assert lines[-1] == "    MemoryError" and len(lines) == launch.TAIL_LINES + 1
+    assert lines[-1] == "    MemoryError" and len(lines) == launch_messages.TAIL_LINES + 1
 
 
 @pytest.mark.timeout(10)
 def test_failing_rank_is_guessed_from_logs_without_torchrun_report():
     res = _result({-1: "", 0: "ok\n", 1: "ddp_lab.train: error: --lr must be positive\n"})
-    assert launch._first_failure(res) == (1, None)
-    assert launch._first_failure(_result({-1: "", 0: "", 1: ""})) == (None, None)
+    assert launch_messages.first_failure(res) == (1, None)
+    assert launch_messages.first_failure(_result({-1: "", 0: "", 1: ""})) == (None, None)
 
 
 @pytest.mark.timeout(10)
@@ -421,6 +424,6 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path):
 @pytest.mark.timeout(10)
 def test_cli_reports_a_missing_script_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert launch.main(["--nproc", "2", "missing.py", "--", "--flag"]) == 2
+    assert launch_main(["--nproc", "2", "missing.py", "--", "--flag"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "no script 'missing.py'" in err[0]

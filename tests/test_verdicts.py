@@ -189,26 +189,47 @@ def test_forbidden_collective_and_deadlock_fail():
 
 @pytest.mark.timeout(60)
 def test_in_kernel_verdict_under_autograde_only_defers(monkeypatch, capsys):
-    from ddp_lab.checks import lab00
+    from ddp_lab.grading.verdict import hidden_test
 
     monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
-    lab00.verdict("test_add")
+    hidden_test("test_add")
     assert "judged by the grader" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(60)
-def test_solution_cells_may_not_use_the_reference_answers():
-    lazy = "from ddp_lab.checks import lab00\ndef add(a, b):\n    return a + b"
+@pytest.mark.parametrize("module", ["ddp_lab.checks", "ddp_lab.answers", "ddp_lab.grading"])
+def test_solution_cells_may_not_use_the_checks_the_answers_or_the_grader(module):
+    package, _, leaf = module.rpartition(".")
+    lazy = f"from {package} import {leaf}\ndef add(a, b):\n    return a + b"
     v = _judge(_nb(add=lazy), "test_add")["test_add"]
-    assert not v.passed and "reference answer" in v.message, v
+    assert not v.passed and f"uses {module}" in v.message, v
+
+
+@pytest.mark.timeout(60)
+def test_the_graders_exact_check_runs_after_the_oracle():
+    # float32 sums are within the oracle's tolerance often enough; the hidden check
+    # (tests/selftest/lab00_answers.py) insists on the inputs' dtype
+    v = _judge(_nb(add="def add(a, b):\n    return (a + b).float()"), "test_add")["test_add"]
+    assert not v.passed and "expected torch.float64" in v.message, v
+
+
+@pytest.mark.timeout(60)
+def test_the_answers_are_hidden_from_student_code():
+    if not sandbox.available():
+        pytest.fail("the grading sandbox is not available on this machine")
+    peek = (
+        "import pathlib, ddp_lab\n"
+        "ANSWERS = pathlib.Path(ddp_lab.__file__).parent / 'answers'\n"
+        "def add(a, b):\n"
+        "    assert not list(ANSWERS.glob('*.py')), 'the answers are visible'\n"
+        "    return a + b\n"
+    )
+    v = _judge(_nb(add=peek), "test_add")["test_add"]
+    assert v.passed, v
 
 
 def _thief_notebook(lab: str, gid: str) -> dict:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import sample_class
+    from ddp_lab.grading import sample_class
 
     return notebook([solution(gid.removeprefix("test_"), sample_class.steal(lab, gid, ""))])
 

@@ -4,7 +4,9 @@
 each exercise's inputs and outputs (checking their SHA-256 against the grader's, taken before
 the student's code ran and when it finished, so no student process can swap them) and outputs with ``torch.load(weights_only=True)`` (which refuses
 pickled code), calls the exercise's ``judge``, and prints one JSON object:
-``{grade_id: {"passed": bool, "message": str}}``. It refuses to judge when a ``ddp_lab``
+``{grade_id: {"passed": bool, "message": str}}``. The judge is the exercise's own (an
+independent oracle, as in the notebook's visible check) followed by the instructor's exact
+comparisons (``ddp_lab.answers``). It refuses to judge when a ``ddp_lab``
 file it ran differs from the hashes the grader took before any student code ran.
 """
 
@@ -17,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ddp_lab.checks import CheckFailed
-from ddp_lab.grading.exercise import exercises
+from ddp_lab.answers import full_judge, hidden
+from ddp_lab.checks.contract import exercises
+from ddp_lab.checks.failure import CheckFailed
 
 
 def sha256(path: str | Path) -> str:
@@ -54,6 +57,7 @@ def changed_modules(hashes: dict[str, str]) -> list[str]:
 def judge_one(lab: str, item: dict) -> dict:
     """Verdict for one exercise: ``{"passed", "message"}``."""
     ex = exercises(lab)[item["grade_id"]]
+    judge = full_judge(ex, hidden(lab).get(ex.grade_id))
     if sha256(item["inputs"]) != item["inputs_sha256"]:
         return {"passed": False, "message": "the grader's inputs were modified during the run"}
     if sha256(item["outputs"]) != item["outputs_sha256"]:
@@ -64,7 +68,7 @@ def judge_one(lab: str, item: dict) -> dict:
     except Exception as err:  # noqa: BLE001 - unreadable or forged outputs fail the check
         return {"passed": False, "message": f"the outputs could not be read ({err})"[:500]}
     try:
-        return {"passed": True, "message": ex.judge(inputs, outputs)}
+        return {"passed": True, "message": judge(inputs, outputs)}
     except CheckFailed as err:
         return {"passed": False, "message": str(err)}
     except Exception as err:  # noqa: BLE001 - malformed outputs (wrong type or shape)

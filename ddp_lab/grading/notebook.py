@@ -8,12 +8,20 @@ everything else from it in a fresh process. This module does the reading.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
-WRITEFILE = re.compile(r"^%%writefile(?:\s+-a)?\s+(\S+)\s*$")
+from ddp_lab.checks.runner import split_magics
 
+__all__ = [
+    "is_solution",
+    "is_test",
+    "load",
+    "nbgrader_meta",
+    "solution_sources",
+    "source_of",
+    "split_magics",
+]
 
 def nbgrader_meta(cell: Mapping) -> dict:
     """The ``nbgrader`` metadata of a cell (``{}`` when the cell has none)."""
@@ -50,25 +58,3 @@ def solution_sources(nb: Mapping) -> dict[str, str]:
         if is_solution(cell) and cell["cell_type"] == "code":
             out[nbgrader_meta(cell)["grade_id"]] = source_of(cell)
     return out
-
-
-def split_magics(source: str) -> tuple[str, dict[str, str]]:
-    """Turn a cell's source into plain Python, plus the files it would write.
-
-    A cell that starts with ``%%writefile NAME`` is a file, not code. Other IPython lines
-    (``%time``, ``!ls``) are blanked, keeping line numbers for error messages.
-
-    Returns:
-        ``(code, files)``: the Python code and a ``{filename: text}`` map.
-
-    Example:
-        >>> split_magics("%%writefile w.py\\nprint(1)\\n")
-        ('', {'w.py': 'print(1)\\n'})
-        >>> split_magics("%matplotlib inline\\nx = 1")
-        ('\\nx = 1', {})
-    """
-    lines = source.split("\n")
-    if lines and (m := WRITEFILE.match(lines[0].strip())):
-        return "", {m.group(1): "\n".join(lines[1:])}
-    code = ["" if line.lstrip().startswith(("%", "!")) else line for line in lines]
-    return "\n".join(code), {}

@@ -6,7 +6,7 @@ started through :func:`confine`, which (on Linux, as root or with unprivileged u
 namespaces) gives them their own mount namespace in which
 
 - the course root (and the ``ddp_lab`` package, wherever it is installed) is read-only;
-- ``solutions/``, ``grading/submitted``, ``grading/autograded``, ``grading/feedback``,
+- ``solutions/``, ``ddp_lab/answers`` (the reference answers), ``grading/submitted``, ``grading/autograded``, ``grading/feedback``,
   ``grading/source_solutions`` and the gradebook are hidden (an empty folder, an empty file);
 - only the process's own working folder and the temporary folder (``TMPDIR``) stay writable.
 
@@ -40,6 +40,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # what student code must never see, relative to a course root
 HIDDEN = (
     "solutions",
+    "ddp_lab/answers",
     "grading/submitted",
     "grading/autograded",
     "grading/feedback",

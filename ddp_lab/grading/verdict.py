@@ -29,7 +29,11 @@ from pathlib import Path
 import torch
 
 from ddp_lab import proctree
-from ddp_lab.grading.exercise import Exercise, exercises, lab_of_notebook
+from ddp_lab.answers import Hidden, hidden
+from ddp_lab.checks.contract import Exercise, exercises, lab_of_notebook
+from ddp_lab.checks.failure import CheckFailed, passed
+from ddp_lab.checks.runner import INPUTS_FILE, grading, write_cells
+from ddp_lab.childenv import child_env
 from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
 from ddp_lab.grading.sandbox import confine, course_roots
@@ -54,15 +58,7 @@ class Verdict:
 
 
 def _student_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JPY_", "NBGRADER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["MPLBACKEND"] = "Agg"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return env
+    return child_env(drop_torchrun=True, drop_prefixes=("JPY_", "NBGRADER_"))
 
 
 def _last_lines(text: str, n: int = 8) -> str:
@@ -71,19 +67,26 @@ def _last_lines(text: str, n: int = 8) -> str:
 
 
 def _run_student(
-    ex: Exercise, lab: str, sources: Mapping[str, str], tmp: Path, private: Path, seed: int
+    ex: Exercise,
+    extra: Hidden | None,
+    lab: str,
+    sources: Mapping[str, str],
+    tmp: Path,
+    private: Path,
+    seed: int,
 ) -> tuple[dict | None, str]:
     """Run one exercise's student process; return (judge item, "") or (None, why it failed)."""
     workdir = tmp / ex.grade_id
     workdir.mkdir()
-    inputs = ex.make_inputs(torch.Generator().manual_seed(seed))
+    make_inputs = extra.inputs if extra and extra.inputs else ex.make_inputs
+    inputs = make_inputs(torch.Generator().manual_seed(seed))
     inputs_path = private / f"{ex.grade_id}-inputs.pt"
     torch.save(inputs, inputs_path)
     inputs_sha256 = sha256(inputs_path)  # before any student code runs
-    shutil.copy(inputs_path, workdir / "inputs.pt")
-    (workdir / "cells.json").write_text(
-        json.dumps({cid: sources[cid] for cid in ex.cells if cid in sources})
-    )
+    shutil.copy(inputs_path, workdir / INPUTS_FILE)
+    write_cells(workdir, sources, ex.cells)
+    for name, text in (extra.files() if extra and extra.files else {}).items():
+        (workdir / name).write_text(text)  # reference pieces this exercise builds on
     # confined: the course read-only, its answers, the judge's folder and the other
     # exercises' folders hidden (where the platform allows; the hashes guard the rest)
     others = [p for p in tmp.iterdir() if p != workdir]
@@ -159,6 +162,7 @@ def judge_notebook(
     if lab is None:
         raise ValueError("give lab= when judging a notebook held in memory")
     table = exercises(lab)
+    extras = hidden(lab)
     wanted = list(table) if grade_ids is None else list(grade_ids)
     sources = solution_sources(notebook)
     stubs = released_stubs(lab)
@@ -181,7 +185,7 @@ def judge_notebook(
                 continue
             t0 = time.monotonic()
             item_seed = secrets.randbits(62) if seed is None else seed
-            item, why = _run_student(ex, lab, sources, tmp, private, item_seed)
+            item, why = _run_student(ex, extras.get(gid), lab, sources, tmp, private, item_seed)
             started[gid] = time.monotonic() - t0
             if item is None:
                 verdicts[gid] = Verdict(gid, ex.title, False, why, started[gid])
@@ -215,3 +219,30 @@ def judge_notebook(
                     gid, table[gid].title, bool(v["passed"]), v["message"], started[gid] + share
                 )
     return {gid: verdicts[gid] for gid in wanted}
+
+
+def hidden_test(grade_id: str, notebook: str | Path | None = None) -> None:
+    """The hidden part of a test cell: ``hidden_test("test_ex2_average_gradients")``.
+
+    Under ``nbgrader autograde`` it only says that the grader decides (the grader judges
+    outside the kernel and overwrites this cell's outcome). Run by hand (an instructor in
+    ``solutions/<lab>/``), it judges the *saved* notebook file now and raises on failure.
+
+    Args:
+        grade_id: the test cell's ``grade_id``.
+        notebook: the notebook file (default: ``<folder name>.ipynb`` in the current folder,
+            where a lab's notebook runs).
+
+    Raises:
+        CheckFailed: the saved notebook fails the exercise.
+    """
+    if grading():
+        print(f"{grade_id}: judged by the grader outside this kernel, on fresh inputs")
+        return
+    path = Path(notebook) if notebook else Path.cwd() / f"{Path.cwd().name}.ipynb"
+    if not path.is_file():
+        raise CheckFailed(f"{path.name} not found in {path.parent}: run the notebook from its folder")
+    v = judge_notebook(path, lab_of_notebook(path), [grade_id])[grade_id]
+    if not v.passed:
+        raise CheckFailed(f"{grade_id} (judged on the saved notebook): {v.message}")
+    passed(f"{grade_id} (judged outside this kernel on the saved notebook): {v.message}")

@@ -1,14 +1,19 @@
-"""A sample class of students, made from the release and the solutions, for grading tests.
+"""A sample class of students, made from the release and the solutions: try the grading
+workflow on a new machine, and test it.
 
-    python tests/sample_class.py grading/submitted          # what `make sample-class` runs
-    python tests/sample_class.py --compare grading/grades.csv  # `make check-sample-class`
-    python tests/sample_class.py --write-expected tests/expected_grades.csv
+Run from the course root (an instructor's checkout)::
+
+    python -m ddp_lab.grading.sample_class grading/submitted        # `make sample-class`
+    make autograde && make grades
+    python -m ddp_lab.grading.sample_class --compare grading/grades.csv
+    python -m ddp_lab.grading.sample_class --write-expected tests/expected_grades.csv
 
 Students (one folder each, every lab in ``labs/``):
 
 - ``perfect``: the solutions;
 - ``blank``: the release as handed out;
-- ``mistake``: the release with one typical wrong answer per exercise (``tests/mistakes.py``);
+- ``mistake``: the release with one typical wrong answer per exercise (the first of each
+  exercise in ``ddp_lab/answers/labNN/mistakes.py``);
 - ``hang``: the solutions, except that a distributed exercise deadlocks (``HANG_LABS``);
 - ``cheat``: the release with no-op stubs that try to copy the instructor's answers from
   ``solutions/`` at run time, a cell that monkeypatches every comparison and every public
@@ -26,13 +31,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_lab.answers import lab_answers, typical
+from ddp_lab.grading.authoring import dumps
+from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta
 
-import mistakes  # noqa: E402
-
-from ddp_lab.grading.authoring import dumps  # noqa: E402
-from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta  # noqa: E402
+#: The course root: the folder that holds ``labs/`` and ``solutions/`` next to ``ddp_lab``.
+ROOT = Path(__file__).resolve().parents[2]
 
 STUDENTS = ("perfect", "blank", "mistake", "hang", "cheat")
 # The hang student submits this lab only (a ring all-reduce whose torchrun job deadlocks):
@@ -91,6 +95,26 @@ def steal(lab: str, gid: str, stub: str) -> str:
     )
 
 
+def _answers_attr(lab: str, name: str, default):
+    module = lab_answers(lab)
+    return getattr(module, name, default) if module is not None else default
+
+
+def mistakes_of(lab: str) -> dict[str, str]:
+    """``cell -> source`` of the typical mistake of each exercise of ``lab``."""
+    return typical(_answers_attr(lab, "MISTAKES", []))
+
+
+def hangs_of(lab: str) -> tuple[dict[str, str], list[str]]:
+    """``(cell -> deadlocking source, test cells that costs)`` of ``lab``."""
+    return dict(_answers_attr(lab, "HANGS", {})), list(_answers_attr(lab, "HANG_LOSES", []))
+
+
+def forged_files_of(lab: str) -> dict[str, str]:
+    """``filename -> text`` of the result files the cheat of ``lab`` writes by hand."""
+    return dict(_answers_attr(lab, "FORGED_FILES", {}))
+
+
 def labs() -> list[str]:
     """The released labs (folder names under ``labs/``)."""
     return sorted(p.name for p in (ROOT / "labs").iterdir() if p.is_dir())
@@ -129,11 +153,11 @@ def make_student(kind: str, lab: str) -> tuple[dict, dict[str, str]] | None:
     if kind == "blank":
         return _notebook("release", lab), {}
     if kind == "mistake":
-        return _replace_solutions(_notebook("release", lab), mistakes.MISTAKES[lab]), {}
+        return _replace_solutions(_notebook("release", lab), mistakes_of(lab)), {}
     if kind == "hang":
         if lab not in HANG_LABS:
             return None
-        hang = mistakes.HANGS.get(lab)
+        hang = hangs_of(lab)[0]
         nb = _strip_hidden_tests({**_notebook("solution", lab), "_lab": lab})
         return (_replace_solutions(nb, hang) if hang else nb), {}
     if kind == "cheat":
@@ -156,7 +180,7 @@ def make_student(kind: str, lab: str) -> tuple[dict, dict[str, str]] | None:
                 "source": CHEAT_CELL.strip(),
             },
         )
-        return nb, dict(mistakes.FORGED_FILES.get(lab, {}))
+        return nb, forged_files_of(lab)
     raise ValueError(kind)
 
 
@@ -190,12 +214,12 @@ def expected_scores(lab: str) -> dict[str, dict[str, float]]:
     full = max_points(lab)
     zero = dict.fromkeys(full, 0.0)
     hang = dict(full)
-    for gid in mistakes.HANG_LOSES.get(lab, ()):
+    for gid in hangs_of(lab)[1]:
         hang[gid] = 0.0
     return {"perfect": full, "blank": zero, "mistake": zero, "hang": hang, "cheat": zero}
 
 
-EXPECTED_CSV = Path(__file__).resolve().parent / "expected_grades.csv"
+EXPECTED_CSV = ROOT / "tests" / "expected_grades.csv"
 CSV_FIELDS = ("assignment", "student_id", "score", "max_score")
 
 
@@ -236,14 +260,15 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 
 def compare(
-    exported: Path, expected: Path = EXPECTED_CSV, only_labs: list[str] | None = None
+    exported: Path, expected: Path | None = None, only_labs: list[str] | None = None
 ) -> list[str]:
     """Differences between an exported grades CSV and the expected one (``[]``: equal).
 
     The (assignment, student) pairs present in the export are compared (of ``only_labs``
     when given: nbgrader exports every assignment of the gradebook, graded or not).
     """
-    want = {(r["assignment"], r["student_id"]): r for r in read_rows(expected)}
+    rows = expected_rows() if expected is None else read_rows(expected)
+    want = {(r["assignment"], r["student_id"]): r for r in rows}
     problems = []
     got_rows = [r for r in read_rows(exported) if not only_labs or r["assignment"] in only_labs]
     if not got_rows:

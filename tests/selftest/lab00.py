@@ -1,6 +1,9 @@
-"""The grader's self-test "lab": two tiny exercises that ``tests/test_verdicts.py`` feeds
-with correct, wrong, hanging, crashing and cheating student code. Also the smallest
-example of a checks module for lab authors (see docs/AUTHORING.md)."""
+"""Checks of the self-test lab: the smallest example of a lab's checks (docs/AUTHORING.md).
+
+Two exercises: ``add`` (one process) and ``rank_sum`` (every rank of a torchrun job, from
+``%%writefile rank_sum.py``, with ``all_reduce`` and ``reduce`` refused). Both judges use
+independent oracles (``a + b``; ``torch.stack(...).sum(0)`` over the ranks' tensors).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from ddp_lab.checks import CheckFailed, assert_close, make_verdict
-from ddp_lab.grading.exercise import Exercise
+from ddp_lab.checks import guards, runner
+from ddp_lab.checks.contract import Exercise
+from ddp_lab.checks.failure import CheckFailed, assert_close
+from ddp_lab.checks.values import randint
 
 LAB = "lab00_selftest"
-verdict = make_verdict(LAB)
 
 
 def _add_inputs(gen: torch.Generator) -> dict:
-    n = int(torch.randint(3, 50, (1,), generator=gen))
+    n = randint(gen, 3, 49)
     return {
         "a": torch.randn(n, generator=gen, dtype=torch.float64),
         "b": torch.randn(n, generator=gen, dtype=torch.float64),
@@ -35,22 +39,14 @@ def _add_judge(inputs: dict, outputs: dict) -> str:
 def _sum_inputs(gen: torch.Generator) -> dict:
     cases = []
     for world in (2, 3):
-        n = int(torch.randint(1, 9, (1,), generator=gen))
-        cases.append(
-            {
-                "world_size": world,
-                "tensors": [
-                    torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(world)
-                ],
-            }
-        )
+        n = randint(gen, 1, 8)
+        tensors = [torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(world)]
+        cases.append({"world_size": world, "tensors": tensors})
     return {"cases": cases}
 
 
 def _sum_run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int):
-    from ddp_lab.grading.student import load_module_file
-
-    mod = load_module_file("rank_sum.py")
+    mod = guards.load_student_file("rank_sum.py", forbid=("all_reduce", "reduce"))
     t = case["tensors"][rank].clone()
     mod["rank_sum"](t)
     return t
@@ -79,5 +75,16 @@ EXERCISES = [
         run_rank=_sum_run_rank,
         forbid=("all_reduce", "reduce"),
         timeout=60,
+        files=("rank_sum.py",),
     ),
 ]
+
+
+def add(fn) -> None:
+    """Visible check of ``add``."""
+    runner.visible(LAB, "test_add", functions={"add": fn})
+
+
+def rank_sum(path: str = "rank_sum.py") -> None:
+    """Visible check of ``rank_sum``: the file on 2 and 3 ranks."""
+    runner.visible(LAB, "test_rank_sum", folder=Path(path).parent)
