@@ -14,6 +14,8 @@ import datetime
 import gc
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -246,3 +248,81 @@ def all_reduce_sum(values: list[float] | torch.Tensor, env: DistEnv) -> torch.Te
     if env.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.cpu()
+
+
+class CommMeter:
+    """Count and time DDP's gradient all-reduces, through a DDP communication hook.
+
+    The hook does what DDP's built-in path does (scale the bucket by 1 / world size, then
+    ``all_reduce`` it; multiplying rather than dividing keeps the weights bit-identical to
+    a DDP without a hook) and records, per bucket, one call and the moments the all-reduce
+    was launched and completed. The time counted is the union of the intervals in which at
+    least one all-reduce was in flight: communication plus the wait for the slowest rank to
+    join. With several buckets it overlaps the rest of the backward pass, so it bounds the
+    communication cost of a step from above. On CUDA (NCCL) the times are host-side
+    launch-to-completion times. :meth:`take` reads and resets the numbers.
+
+    Args:
+        world_size: the number of processes (the divisor of the average).
+
+    Example:
+        >>> meter = CommMeter(world_size=1)
+        >>> meter.take()
+        (0, 0.0)
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.calls = 0
+        self.seconds = 0.0
+        self._pending = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
+
+    def attach(self, ddp_model: torch.nn.Module) -> CommMeter:
+        """Register the hook on a ``DistributedDataParallel`` model (before its first step).
+
+        Returns:
+            The meter itself.
+        """
+        ddp_model.register_comm_hook(None, self._hook)
+        return self
+
+    def _hook(self, state, bucket):  # no annotations: DDP checks them, and they are strings
+        with self._lock:
+            if self._pending == 0:
+                self._since = time.perf_counter()
+            self._pending += 1
+            self.calls += 1
+        tensor = bucket.buffer()
+        tensor.mul_(1.0 / self.world_size)  # DDP's own divisor, applied the same way
+        return dist.all_reduce(tensor, async_op=True).get_future().then(self._done)
+
+    def _done(self, fut: torch.futures.Future) -> torch.Tensor:
+        with self._lock:  # runs on the backend's thread
+            self._pending -= 1
+            if self._pending == 0:
+                self.seconds += time.perf_counter() - self._since
+        return fut.value()[0]
+
+    def take(self) -> tuple[int, float]:
+        """``(all-reduce calls, seconds in flight)`` since the last call; resets both."""
+        with self._lock:
+            out = (self.calls, self.seconds)
+            self.calls, self.seconds = 0, 0.0
+        return out
+
+
+def ddp_bucket_count(ddp_model: torch.nn.Module) -> int | None:
+    """The number of gradient buckets of a ``DistributedDataParallel`` model (``None`` when
+    this torch does not tell). Read it after the first step: DDP rebuilds its buckets then.
+
+    Example:
+        >>> ddp_bucket_count(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    reducer = getattr(ddp_model, "reducer", None)
+    try:
+        return len(reducer._get_zeros_like_grad_buckets())
+    except (AttributeError, RuntimeError):
+        return None

@@ -26,7 +26,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_lab import data as data_mod
-from ddp_lab.dist import DEFAULT_TIMEOUT_S, DistEnv, all_reduce_sum, print0, setup, teardown
+from ddp_lab.dist import (
+    DEFAULT_TIMEOUT_S,
+    CommMeter,
+    DistEnv,
+    all_reduce_sum,
+    ddp_bucket_count,
+    print0,
+    setup,
+    teardown,
+)
 from ddp_lab.errors import UsageError, exit_on_usage_error
 from ddp_lab.models import MODELS, build_model, has_batchnorm
 from ddp_lab.syncbn import convert_sync_batchnorm_auto
@@ -103,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--amp",
         choices=["off", "bf16", "fp16"],
         default="off",
-        help="mixed precision: bf16 autocast (CPU or GPU), fp16 + GradScaler (CUDA)",
+        help="mixed precision: bf16 autocast, or fp16 autocast with a GradScaler (dynamic "
+        "loss scaling, inf steps skipped); both on the CPU and on CUDA. A CPU without fast "
+        "bf16/fp16 kernels runs them correctly but slowly (said in one line on start)",
     )
     o.add_argument(
         "--accum-steps",
@@ -115,7 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--clip-grad-norm",
         type=float,
         default=None,
-        help="clip the global gradient norm to this value (the seeds use 1.0)",
+        help="clip the global gradient norm to this value (the seeds use 1.0); with fp16 the "
+        "gradients are unscaled first",
+    )
+    o.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="linear learning-rate warm-up: optimizer step k <= N uses k/N of the rate "
+        "(the scaled rate with --scale-lr); 0: no warm-up",
+    )
+    o.add_argument(
+        "--grad-norm-warn",
+        type=float,
+        default=10.0,
+        help="flag a record (grad_norm_warn) and warn on stderr (rank 0, at most every 10 s) "
+        "when the gradient norm before clipping exceeded this; checked every step when "
+        "clipping (the norm is free then), at records otherwise; 0: off",
     )
 
     c = p.add_argument_group("checkpoints and faults")
@@ -198,6 +225,8 @@ class Config:
     amp: str
     accum_steps: int
     clip_grad_norm: float | None
+    warmup_steps: int
+    grad_norm_warn: float
     ckpt_dir: str | None
     ckpt_every: int | None
     keep_last: int | None
@@ -241,15 +270,43 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise UsageError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise UsageError(f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}")
+    if cfg.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
+    if not (cfg.grad_norm_warn >= 0 and math.isfinite(cfg.grad_norm_warn)):
+        raise UsageError(f"--grad-norm-warn must be >= 0 (0: off), got {cfg.grad_norm_warn}")
     if cfg.num_workers is not None and cfg.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {cfg.num_workers}")
     return cfg
 
 
 def check_environment(cfg: Config, env: DistEnv) -> None:
-    """Refuse combinations this machine cannot run, with the fix in the message."""
-    if cfg.amp == "fp16" and env.device.type != "cuda":
-        raise UsageError("--amp fp16 needs a CUDA GPU (GradScaler); use --amp bf16 on the CPU")
+    """Refuse combinations this machine cannot run (with the fix in the message), and say in
+    one line when a choice runs correctly but slowly here (fp16 or bf16 on an older CPU)."""
+    if cfg.amp != "off" and env.device.type == "cpu" and not fast_cpu_amp(cfg.amp):
+        print0(
+            f"{PROG}: note: this CPU has no fast {cfg.amp} kernels (oneDNN reports none); "
+            f"--amp {cfg.amp} is correct but slower than fp32 here",
+            env=env,
+            file=sys.stderr,
+        )
+
+
+def fast_cpu_amp(dtype: str) -> bool:
+    """True when oneDNN has fast kernels for ``dtype`` (``"bf16"`` or ``"fp16"``) on this
+    CPU (AVX512-BF16/AMX for bf16, AVX512-FP16/AMX-FP16 for fp16). A cheap query, no timing.
+
+    Example:
+        >>> fast_cpu_amp("bf16") in (True, False)
+        True
+    """
+    query = {
+        "bf16": "_is_mkldnn_bf16_supported",
+        "fp16": "_is_mkldnn_fp16_supported",
+    }[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, query)())
+    except (AttributeError, RuntimeError):
+        return True  # unknown: say nothing rather than something wrong
 
 
 def wrap_model(model: torch.nn.Module, cfg: Config, env: DistEnv) -> torch.nn.Module:
@@ -293,6 +350,82 @@ def _autocast(cfg: Config, env: DistEnv):
 def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    params: list[torch.nn.Parameter],
+    clip: float | None,
+    need_norm: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One optimizer step from accumulated (and, with fp16, scaled) gradients, in the order
+    that keeps clipping right: unscale -> clip -> step (skipped on inf/NaN) -> update scale.
+
+    Clipping before ``unscale_`` would compare the *scaled* norm with ``clip`` (the bug of
+    the PyTorch examples' minGPT trainer). Nothing here reads a tensor on the host.
+
+    Args:
+        optimizer: the optimizer; its gradients are zeroed at the end.
+        scaler: the GradScaler (disabled unless fp16: then unscale/step/update are plain).
+        params: the parameters to clip and measure.
+        clip: the maximum global gradient norm, or ``None``.
+        need_norm: compute the gradient norm even without clipping.
+
+    Returns:
+        ``(grad_norm, skipped)``: the global norm before clipping (a 0-d device tensor, or
+        ``None`` when neither clipping nor ``need_norm`` asked for it), and a 0-d device
+        tensor that is 1 when the scaler skipped the step (``None`` without fp16).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> scaler = torch.amp.GradScaler("cpu", enabled=False)
+        >>> norm, skipped = optimizer_step(opt, scaler, list(model.parameters()), 1.0, False)
+        >>> round(float(norm), 4), skipped
+        (1.7321, None)
+    """
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    grad_norm = None
+    if clip is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    elif need_norm:  # the norm costs a pass over the gradients: only when asked
+        grad_norm = _grad_norm(params)
+    skipped = None
+    if scaler.is_enabled():
+        scale = scaler._scale.clone()  # the scale halves exactly when the step is skipped
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = (scaler._scale < scale).to(torch.int64)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
+    """Linear warm-up: optimizer step k uses ``min(1, k / warmup_steps)`` of the base rate.
+
+    Call ``scheduler.step()`` after every optimizer step. With ``warmup_steps`` 0 the rate
+    is the base rate from the first step (exactly: the factor is 1.0).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        >>> sched = warmup_schedule(opt, 4)
+        >>> rates = []
+        >>> for _ in range(5):
+        ...     rates.append(opt.param_groups[0]["lr"])
+        ...     opt.step()
+        ...     sched.step()
+        >>> rates
+        [0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    if warmup_steps <= 0:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda done: min(1.0, (done + 1) / warmup_steps)
+    )
 
 
 def _progress(total: int, env: DistEnv, cfg: Config):
@@ -351,39 +484,143 @@ class Clock:
 
 
 class Window:
-    """What the loop accumulates between two metrics records, without a host sync.
+    """What the loop accumulates between two metrics records, without a host sync per step.
 
-    The loss sum stays a device tensor; counts and times are host numbers the loop already
-    has. :meth:`close` does the record's one all-reduce and one host read.
+    Loss sum, skipped-step count and the running maximum of the gradient norm stay device
+    tensors; counts and times are host numbers the loop has anyway. :meth:`close` does the
+    record's one all-reduce (the loss) and its few host reads.
+
+    Args:
+        env: this process's :class:`DistEnv`.
+        clock: the run's :class:`Clock` (its pauses are not training time).
+        comm: the :class:`CommMeter` of the DDP model (``None`` on one process).
     """
 
-    def __init__(self, env: DistEnv, clock: Clock) -> None:
-        self.env, self.clock = env, clock
+    def __init__(self, env: DistEnv, clock: Clock, comm: CommMeter | None) -> None:
+        self.env, self.clock, self.comm = env, clock, comm
         self.loss = torch.zeros((), device=env.device)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=env.device)
+        self.norm_max = torch.zeros((), device=env.device)
         self.steps = self.timed_steps = 0
-        self.t0: float | None = None
-        self.pause0 = 0.0
+        self.t_wall, self.pause_wall = time.perf_counter(), 0.0
+        self.t_timed: float | None = None
+        self.pause_timed = 0.0
 
-    def add_step(self) -> None:
+    def add_step(self, grad_norm: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
         """Count one optimizer step; the first one of the run starts the clocks."""
+        if grad_norm is not None:  # a skipped fp16 step has an inf norm: not a spike
+            finite = torch.nan_to_num(grad_norm.detach().float(), nan=0.0, posinf=0.0)
+            torch.maximum(self.norm_max, finite, out=self.norm_max)
+        if skipped is not None:
+            self.skipped += skipped
         self.steps += 1
         if self.clock.t0 is None:
             self.clock.start()
-            self.t0, self.pause0 = self.clock.t0, 0.0
+            self.t_timed, self.pause_timed = self.clock.t0, 0.0
         else:
             self.timed_steps += 1
 
     def close(self, global_batch: int) -> dict[str, float]:
-        """Mean loss over the window's steps and all ranks, samples/s; then start anew."""
+        """The window's numbers (mean loss over its steps and all ranks, samples/s, max grad
+        norm, skipped steps, communication), then start a new window."""
         mean = all_reduce_sum(self.loss.reshape(1), self.env).item()
         mean /= self.env.world_size * self.steps
         now = time.perf_counter()
-        seconds = now - self.t0 - (self.clock.pause - self.pause0)
-        rate = self.timed_steps * global_batch / seconds if self.timed_steps else float("nan")
+        timed = now - self.t_timed - (self.clock.pause - self.pause_timed)
+        wall = now - self.t_wall - (self.clock.pause - self.pause_wall)
+        calls, comm_s = self.comm.take() if self.comm is not None else (0, 0.0)
+        stats = {
+            "loss": mean,
+            "samples_per_s": (
+                self.timed_steps * global_batch / timed if self.timed_steps else float("nan")
+            ),
+            "grad_norm_max": self.norm_max.item(),
+            "skipped": int(self.skipped.item()),
+            "comm_s": comm_s,
+            "comm_share": comm_s / wall if wall > 0 else float("nan"),
+            "allreduces_per_step": calls / self.steps,
+        }
         self.loss.zero_()
+        self.skipped.zero_()
+        self.norm_max.zero_()
         self.steps = self.timed_steps = 0
-        self.t0, self.pause0 = now, self.clock.pause
-        return {"loss": mean, "samples_per_s": rate}
+        self.t_wall = self.t_timed = now
+        self.pause_wall = self.pause_timed = self.clock.pause
+        return stats
+
+
+class NormWarning:
+    """One stderr line when the gradient norm exceeds ``--grad-norm-warn`` (rank 0), at most
+    one every ``every_s`` seconds; the lines in between are counted, not lost."""
+
+    def __init__(self, limit: float, env: DistEnv, every_s: float = 10.0) -> None:
+        self.limit, self.env, self.every_s = limit, env, every_s
+        self.last = -math.inf
+        self.quiet = 0
+
+    def check(self, norm_max: float, step: int, clipping: float | None) -> bool:
+        """True when ``norm_max`` exceeds the limit (0: off); warns when due."""
+        if not self.limit or not norm_max > self.limit:
+            return False
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            more = f" ({self.quiet} more record(s) above it since the last warning)"
+            print0(
+                f"{PROG}: warning: gradient norm {norm_max:.3g} > --grad-norm-warn "
+                f"{self.limit:g} by step {step}"
+                + (f"; clipped to {clipping:g}" if clipping else "; not clipped")
+                + (more if self.quiet else ""),
+                env=self.env,
+                file=sys.stderr,
+            )
+            self.last, self.quiet = now, 0
+        else:
+            self.quiet += 1
+        return True
+
+
+class Recorder:
+    """Rank 0's outputs while training: ``metrics.jsonl``, TensorBoard scalars, the progress
+    bar. On the other ranks every method does nothing."""
+
+    #: The record fields shown in TensorBoard (under ``train/``).
+    SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "comm_share")
+
+    def __init__(self, cfg: Config, env: DistEnv, total_steps: int) -> None:
+        self.metrics = self.writer = None
+        self.bar = _progress(total_steps, env, cfg)
+        if env.is_rank0:
+            os.makedirs(cfg.out, exist_ok=True)
+            self.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
+            if cfg.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(cfg.tensorboard)
+
+    def record(self, record: dict, steps: int) -> None:
+        """Write one metrics record covering ``steps`` optimizer steps."""
+        if self.metrics is None:
+            return
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        for key in self.SCALARS:
+            if key in record:
+                self.scalar(f"train/{key}", record[key], record["step"])
+        self.bar.update(steps)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        """One TensorBoard scalar (when ``--tensorboard`` is given)."""
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        """Close the bar, the metrics file and the TensorBoard writer."""
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def train(cfg: Config, env: DistEnv) -> dict:
@@ -425,34 +662,31 @@ def train(cfg: Config, env: DistEnv) -> dict:
 
     # Model: same seed on every rank; DDP also broadcasts rank 0's weights at wrap time.
     model = wrap_model(build_model(cfg.model), cfg, env)
+    comm = CommMeter(env.world_size).attach(model) if env.distributed else None
     params = [p for p in model.parameters() if p.requires_grad]
     lr = cfg.lr * (env.world_size * cfg.accum_steps if cfg.scale_lr else 1)
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    scheduler = warmup_schedule(optimizer, cfg.warmup_steps)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
     global_batch = cfg.batch_size * env.world_size * cfg.accum_steps
 
-    metrics = writer = None
-    if env.is_rank0:
-        os.makedirs(cfg.out, exist_ok=True)
-        metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(cfg.tensorboard)
+    recorder = Recorder(cfg, env, total_steps)
     print0(
         f"{PROG}: {env.world_size} process(es), backend {env.backend}, device "
         f"{env.device.type}; model {cfg.model}, dataset {cfg.dataset} ({len(train_set)} "
         f"train / {len(test_set)} test); {total_steps} steps of global batch {global_batch}, "
-        f"lr {lr:g}; a record every {cfg.log_every} step(s)",
+        f"lr {lr:g}"
+        + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+        + f"; a record every {cfg.log_every} step(s)",
         env=env,
         file=sys.stderr,
     )
 
     step, last_loss, evals = 0, float("nan"), []
     clock = Clock()
-    window = Window(env, clock)  # between two records: no .item(), no extra collective
+    window = Window(env, clock, comm)  # between two records: no .item(), no extra collective
+    norm_warning = NormWarning(cfg.grad_norm_warn, env)
     t_start = time.perf_counter()
-    bar = _progress(total_steps, env, cfg)
     for epoch in range(cfg.epochs):
         if step >= total_steps:
             break
@@ -475,53 +709,48 @@ def train(cfg: Config, env: DistEnv) -> dict:
                 with sync:
                     with _autocast(cfg, env):
                         loss = torch.nn.functional.cross_entropy(model(x), y)
-                    scaler.scale(loss / cfg.accum_steps).backward()
+                    scaler.scale(loss / cfg.accum_steps).backward()  # loss / K: a mean
                 window.loss += loss.detach().float() / cfg.accum_steps
             log_now = (step + 1) % cfg.log_every == 0 or step + 1 == total_steps
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            grad_norm = None
-            if cfg.clip_grad_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
-            elif log_now:  # the norm costs a pass over the gradients: only when recorded
-                grad_norm = _grad_norm(params)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            step_lr = optimizer.param_groups[0]["lr"]
+            # unscale -> clip -> step (skipped on inf with fp16) -> update the loss scale
+            grad_norm, skipped = optimizer_step(
+                optimizer, scaler, params, cfg.clip_grad_norm, need_norm=log_now
+            )
+            scheduler.step()  # the warm-up's next rate
             step += 1
-            window.add_step()
+            window.add_step(grad_norm, skipped)
 
-            if log_now:  # one all-reduce and one host read per record, not per step
+            if log_now:  # one all-reduce and a few host reads per record, not per step
                 steps_in_window = window.steps
                 stats = window.close(global_batch)
                 last_loss = stats["loss"]
-                if env.is_rank0:
-                    record = {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": stats["loss"],
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "samples_per_s": stats["samples_per_s"],
-                    }
-                    metrics.write(json.dumps(record) + "\n")
-                    if writer is not None:
-                        for key in ("loss", "lr", "grad_norm", "samples_per_s"):
-                            writer.add_scalar(f"train/{key}", record[key], step)
-                    bar.update(steps_in_window)
-                    bar.set_postfix(loss=f"{last_loss:.3f}", refresh=False)
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    **stats,
+                    "lr": step_lr,
+                    "grad_norm": float(grad_norm),  # this step's, before clipping
+                    "grad_norm_warn": norm_warning.check(
+                        stats["grad_norm_max"], step, cfg.clip_grad_norm
+                    ),
+                }
+                if scaler.is_enabled():
+                    record["loss_scale"] = scaler.get_scale()
+                else:
+                    del record["skipped"]
+                recorder.record(record, steps_in_window)
         with clock.paused("eval"):
             sync_buffers(model, env)
             ev = data_mod.evaluate(unwrap(model), test_set, env)
         evals.append({"epoch": epoch, "step": step, **ev})
-        if writer is not None:
-            writer.add_scalar("eval/accuracy", ev["accuracy"], step)
+        recorder.scalar("eval/accuracy", ev["accuracy"], step)
         print0(
             f"epoch {epoch}: step {step}, test accuracy {ev['accuracy']:.4f}, "
             f"test loss {ev['loss']:.4f}",
             env=env,
             file=sys.stderr,
         )
-    bar.close()
     seconds = time.perf_counter() - t_start
     train_seconds = clock.train_seconds()
     summary = {
@@ -541,16 +770,15 @@ def train(cfg: Config, env: DistEnv) -> dict:
         "global_batch": global_batch,
         "lr": lr,
         "log_every": cfg.log_every,
+        "ddp_buckets": ddp_bucket_count(model) if env.distributed else None,
         "evals": evals,
         "config": asdict(cfg),
     }
+    recorder.close()
     if env.is_rank0:
         save_atomic(unwrap(model).state_dict(), os.path.join(cfg.out, "model.pt"))
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        metrics.close()
-        if writer is not None:
-            writer.close()
         print0(
             f"{PROG}: done in {seconds:.1f} s, {summary['samples_per_s']:.0f} samples/s; "
             f"results in {cfg.out}/",

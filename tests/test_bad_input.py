@@ -30,7 +30,9 @@ CASES = {
         ["LOCAL_RANK", "MASTER_ADDR", "torchrun"],
     ),
     "nccl without GPU": (["--backend", "nccl"], {}, ["nccl", "--backend gloo"]),
-    "fp16 on CPU": (["--amp", "fp16"], {}, ["--amp bf16"]),
+    "zero log interval": (["--log-every", "0"], {}, ["--log-every", "positive"]),
+    "negative warm-up": (["--warmup-steps", "-1"], {}, ["--warmup-steps", ">= 0"]),
+    "negative grad-norm warning": (["--grad-norm-warn", "-1"], {}, ["--grad-norm-warn", "0: off"]),
     "cifar10 offline and missing": (
         ["--dataset", "cifar10", "--data-dir", "{tmp}/nothing"],
         {},
