@@ -16,7 +16,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format lab3 bench lab time-labs release autograde feedback grades sample-class clean
+.PHONY: help install test test-fast lint format lab3 bench lab time-labs release student-kit autograde feedback grades sample-class clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -68,6 +68,9 @@ release: $(STAMP)  ## regenerate labs/ from solutions/ (commit the result)
 	  echo "released labs/$$lab"; \
 	done
 
+student-kit: $(STAMP)  ## what students get, without any answer: dist/ddp-lab-student-kit(.tar.gz)
+	$(PY) -m ddp_lab.grading.kit --out dist
+
 autograde: $(STAMP)  ## grade grading/submitted/<student>/<lab>/ (sandboxed, time-limited)
 	$(PY) -m ddp_lab.grading.autograde $(AUTOGRADE_ARGS)
 
@@ -84,4 +87,4 @@ sample-class: $(STAMP)  ## put a demo class (perfect, blank, mistake, hang, chea
 	$(PY) -m ddp_lab.grading.sample_class grading/submitted
 
 clean:  ## remove run outputs (keeps .venv)
-	rm -rf runs results .pytest_cache .ruff_cache
+	rm -rf runs results dist .pytest_cache .ruff_cache

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with open(os.path.join(args.out, "scaling.json"), "w") as f:
         json.dump(result, f, indent=2)
-    from ddp_lab.plots import plot_scaling
+    from ddp_lab.figures.scaling import plot_scaling
 
     plot_scaling(
         [r["processes"] for r in records],

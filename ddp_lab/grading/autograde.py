@@ -10,6 +10,11 @@ kernel and exercise processes are confined (``--sandbox``, see
 :mod:`ddp_lab.grading.sandbox`): the course read-only, its answers and the gradebook hidden.
 
 What this protects, and what it does not, is in the README ("Grading sandbox").
+
+Afterwards it compares every graded solution cell with the instructor's solution, the
+package's code and every other student's same cell (:mod:`ddp_lab.grading.integrity`),
+writes ``grading/integrity.csv`` and lists the flagged ones under the score table. That
+never changes points: the instructor decides.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ddp_lab import proctree
+from ddp_lab.grading import integrity
 from ddp_lab.grading import sandbox as files_sandbox
 
 PROG = "ddp_lab.grading.autograde"
@@ -206,6 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{score[0]:g}/{score[1]:g}" if score and status == "graded" else "-"
         failed += status != "graded"
         print(f"  {student:<16} {lab:<24} {shown:>8}  {seconds:6.1f} s  {status}")
+    rows = integrity.class_report(root, args.lab)
+    report = root / "grading" / "integrity.csv"
+    integrity.write_report(rows, report)
+    flagged = [r for r in rows if r["flagged"]]
+    print(
+        f"{PROG}: integrity: {len(flagged)} of {len(rows)} solution cells at or above "
+        f"{integrity.FLAG_AT:g} similarity (points unchanged; details in {report})"
+    )
+    for r in flagged:
+        where = f"{r['student']:<16} {r['lab']:<24} {r['exercise']:<32}"
+        print(f"  FLAG {where} {r['score']}  {r['closest']}")
     print(f"{PROG}: done in {time.monotonic() - t0:.1f} s", flush=True)
     return 1 if failed else 0
 

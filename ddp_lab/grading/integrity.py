@@ -12,12 +12,13 @@ One measure serves two purposes:
 
 The measure (in the spirit of MOSS and JPlag): Python source is tokenised; comments,
 docstrings and layout are dropped; names become ``V`` except keywords, builtins and
-attribute names after a dot (``dist.all_reduce`` stays an API call), numbers become ``N``
-and strings ``S``. The fingerprints of a source are the hashes of its runs of :data:`K`
-consecutive normalised tokens. Fingerprints of the released scaffolding (the stub every
-student starts from) are removed first. :func:`containment` is the share of one source's
-fingerprints found in another; :func:`similarity` is the share of the smaller one's found
-in the larger one (1.0 for a renamed copy).
+attribute names after a dot (``dist.all_reduce`` stays an API call), and strings become ``S``
+(numbers stay: a copier renames, but rarely changes constants). The fingerprints of a
+source are the hashes of its runs of :data:`K` consecutive normalised tokens. Fingerprints
+of the released scaffolding (the stub every student starts from) are removed first.
+:func:`containment` is the share of one source's fingerprints found in another;
+:func:`similarity` is the share of the smaller one's found in the larger one (1.0 for a
+renamed copy).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import keyword
 import textwrap
 import tokenize
 from collections.abc import Iterable
+from pathlib import Path
 
 from ddp_lab.checks.runner import split_magics
 
@@ -38,7 +40,7 @@ MIN_FINGERPRINTS = 8
 #: Scores at or above this are flagged in ``make autograde``'s integrity report.
 FLAG_AT = 0.9
 
-_KEEP = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins))
+_KEEP = (set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins))) - {"_", "__"}
 # f-strings are one STRING token up to Python 3.11, three kinds of token from 3.12 on
 _STRING_START = {tokenize.STRING, getattr(tokenize, "FSTRING_START", tokenize.STRING)}
 _STRING_REST = {
@@ -60,8 +62,8 @@ def normalized_tokens(source: str) -> list[str]:
 
     Example:
         >>> normalized_tokens("total = torch.stack(g).sum(0)  # add up")
-        ['V', '=', 'V', '.', 'stack', '(', 'V', ')', '.', 'sum', '(', 'N', ')']
-        >>> normalized_tokens("s = x.sum(0)") == normalized_tokens("acc=y.sum( 1 )")
+        ['V', '=', 'V', '.', 'stack', '(', 'V', ')', '.', 'sum', '(', '0', ')']
+        >>> normalized_tokens("s = x.sum(0)") == normalized_tokens("acc=y.sum( 0 )")
         True
     """
     code, files = split_magics(source)
@@ -82,7 +84,7 @@ def normalized_tokens(source: str) -> list[str]:
                 keep = tok.string in _KEEP or (prev is not None and prev.string == ".")
                 out.append(tok.string if keep else "V")
             elif tok.type == tokenize.NUMBER:
-                out.append("N")
+                out.append(tok.string)  # copiers rename, they rarely change constants
             elif tok.type in _STRING_START:
                 out.append("S")
             elif tok.type in _STRING_REST:
@@ -143,7 +145,8 @@ def solution_region(source: str) -> str:
     END SOLUTION`` (every such part, joined), or the whole cell when it has none.
 
     Example:
-        >>> solution_region("def f():\\n    ### BEGIN SOLUTION\\n    return 1\\n    ### END SOLUTION")
+        >>> cell = "def f():\\n    ### BEGIN SOLUTION\\n    return 1\\n    ### END SOLUTION"
+        >>> solution_region(cell)
         'return 1'
     """
     if "### BEGIN SOLUTION" not in source:
@@ -154,3 +157,113 @@ def solution_region(source: str) -> str:
         lines = body.split("\n")[1:-1] if "\n" in body else [body]
         parts.append(textwrap.dedent("\n".join(lines)))
     return "\n".join(parts)
+
+
+# --- the report of ``make autograde`` --------------------------------------------------------
+
+#: Columns of ``grading/integrity.csv``.
+REPORT_FIELDS = ("student", "lab", "exercise", "closest", "score", "flagged")
+
+
+def _given_prints(release: dict) -> set[int]:
+    """Fingerprints of every code cell a released notebook gives students."""
+    from ddp_lab.grading.notebook import source_of
+
+    out: set[int] = set()
+    for cell in release["cells"]:
+        if cell["cell_type"] == "code":
+            out |= fingerprints(source_of(cell))
+    return out
+
+
+def reference_sources(package: Path) -> dict[str, set[int]]:
+    """``"file:function" -> fingerprints`` of the code students may not copy: every
+    top-level function and class of the answers' modules and of the runtime package (the
+    trainer, process-group set-up and evaluation are the answers of lab 3, for instance)."""
+    import ast
+
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).as_posix()
+        if rel.startswith("ddp_lab/grading/") or "__pycache__" in rel:
+            continue
+        text = path.read_text()
+        try:
+            body = ast.parse(text).body
+        except SyntaxError:
+            continue
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                prints = fingerprints(ast.get_source_segment(text, node) or "")
+                if len(prints) >= MIN_FINGERPRINTS:
+                    out[f"{rel}:{node.name}"] = prints
+    return out
+
+
+def class_report(root: Path, labs: list[str] | None = None) -> list[dict]:
+    """One row per graded solution cell of every submission under ``grading/submitted``.
+
+    For each cell (its fingerprints minus the released scaffolding), the closest source among
+    ``instructor`` (the solution), ``reference:<file:function>`` (code of the package) and
+    ``student:<id>`` (the same cell of every other submission), with the score: the share
+    of the cell found in that source (:func:`containment`) for the instructor and the
+    references, :func:`similarity` between two students. Rows at or above :data:`FLAG_AT`
+    are ``flagged``.
+    """
+    from ddp_lab.grading.notebook import load, solution_sources
+
+    submitted = root / "grading" / "submitted"
+    refs = reference_sources(root / "ddp_lab")
+    rows = []
+    lab_names = sorted({p.parent.name for p in submitted.glob("*/*/*.ipynb")})
+    for lab in [name for name in lab_names if not labs or name in labs]:
+        release_path = root / "labs" / lab / f"{lab}.ipynb"
+        solution_path = root / "solutions" / lab / f"{lab}.ipynb"
+        if not release_path.is_file() or not solution_path.is_file():
+            continue
+        given = _given_prints(load(release_path))
+        solution = {
+            c: without(fingerprints(solution_region(s)), [given])
+            for c, s in solution_sources(load(solution_path)).items()
+        }
+        students = {}
+        for nb_path in sorted(submitted.glob(f"*/{lab}/{lab}.ipynb")):
+            try:
+                cells = solution_sources(load(nb_path))
+            except (OSError, ValueError, KeyError):
+                continue
+            students[nb_path.parent.parent.name] = {
+                c: without(fingerprints(cells[c]), [given]) for c in solution if c in cells
+            }
+        for student, cells in students.items():
+            for cell, prints in cells.items():
+                scores = {"instructor": containment(prints, solution[cell])}
+                for name, ref in refs.items():
+                    scores[f"reference:{name}"] = containment(prints, ref)
+                for other, their in students.items():
+                    if other != student and cell in their:
+                        scores[f"student:{other}"] = similarity(prints, their[cell])
+                closest = max(scores, key=scores.get)
+                score = scores[closest]
+                rows.append(
+                    {
+                        "student": student,
+                        "lab": lab,
+                        "exercise": cell,
+                        "closest": closest if score > 0 else "",
+                        "score": f"{score:.2f}",
+                        "flagged": "yes" if score >= FLAG_AT else "",
+                    }
+                )
+    return rows
+
+
+def write_report(rows: list[dict], path: Path) -> None:
+    """Write the rows of :func:`class_report` as CSV."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=REPORT_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)

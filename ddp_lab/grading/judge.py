@@ -1,13 +1,14 @@
 """The judge process: compare a student's saved outputs with the reference, print verdicts.
 
 ``python -m ddp_lab.grading.judge SPEC.json`` never imports or runs student code. It loads
-each exercise's inputs and outputs (checking their SHA-256 against the grader's, taken before
-the student's code ran and when it finished, so no student process can swap them) and outputs with ``torch.load(weights_only=True)`` (which refuses
-pickled code), calls the exercise's ``judge``, and prints one JSON object:
-``{grade_id: {"passed": bool, "message": str}}``. The judge is the exercise's own (an
-independent oracle, as in the notebook's visible check) followed by the instructor's exact
-comparisons (``ddp_lab.answers``). It refuses to judge when a ``ddp_lab``
-file it ran differs from the hashes the grader took before any student code ran.
+each exercise's inputs and outputs, checking their SHA-256 against the grader's (taken
+before the student's code ran and when it finished, so no student process can swap them),
+with ``torch.load(weights_only=True)`` (which refuses pickled code), calls the exercise's
+judge, and prints one JSON object: ``{grade_id: {"passed": bool, "message": str}}``. The
+judge is the exercise's own (an independent oracle, as in the notebook's visible check)
+followed by the instructor's exact comparisons (``ddp_lab.answers``). It refuses to judge
+when a ``ddp_lab`` file it ran differs from the hashes the grader took before any student
+code ran.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ __all__ = [
     "split_magics",
 ]
 
+
 def nbgrader_meta(cell: Mapping) -> dict:
     """The ``nbgrader`` metadata of a cell (``{}`` when the cell has none)."""
     return dict(cell.get("metadata", {}).get("nbgrader", {}) or {})

@@ -15,6 +15,9 @@ Students (one folder each, every lab in ``labs/``):
 - ``mistake``: the release with one typical wrong answer per exercise (the first of each
   exercise in ``ddp_lab/answers/labNN/mistakes.py``);
 - ``hang``: the solutions, except that a distributed exercise deadlocks (``HANG_LABS``);
+- ``copycat``: a classmate's (``perfect``'s) notebook with its local variables renamed and
+  its layout changed: full marks, and flagged by the integrity report of ``make autograde``
+  (:mod:`ddp_lab.grading.integrity`) together with the classmate;
 - ``cheat``: the release with no-op stubs that try to copy the instructor's answers from
   ``solutions/`` at run time, a cell that monkeypatches every comparison and every public
   check function, test cells edited to print success, and result files forged where the
@@ -38,7 +41,9 @@ from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta
 #: The course root: the folder that holds ``labs/`` and ``solutions/`` next to ``ddp_lab``.
 ROOT = Path(__file__).resolve().parents[2]
 
-STUDENTS = ("perfect", "blank", "mistake", "hang", "cheat")
+STUDENTS = ("perfect", "blank", "mistake", "hang", "cheat", "copycat")
+#: Whom the copycat copies.
+COPIED_FROM = "perfect"
 # The hang student submits this lab only (a ring all-reduce whose torchrun job deadlocks):
 # the timeout path is the same for every lab, and each hang costs a full exercise timeout.
 # A deadlock is also tested directly in tests/test_lab02.py and tests/test_lab04.py.
@@ -115,6 +120,73 @@ def forged_files_of(lab: str) -> dict[str, str]:
     return dict(_answers_attr(lab, "FORGED_FILES", {}))
 
 
+def disguise(source: str) -> str:
+    """A copy of a solution cell as a copier would hand it in: local variables renamed
+    (``x`` -> ``x_val``), a comment on top, blank lines doubled. Names other code relies
+    on stay: top-level functions and classes, parameters (callers pass them by keyword),
+    imports, module-level names, attributes and keyword arguments.
+
+    Example:
+        >>> print(disguise("def f(a):\\n    total = a + 1\\n    return total"))
+        # my solution
+        def f(a):
+            total_val = a + 1
+            return total_val
+    """
+    import ast
+    import io
+    import tokenize
+
+    magic, body = "", source
+    if source.startswith("%%writefile"):
+        first, _, body = source.partition("\n")
+        magic = first + "\n"
+    try:
+        tree = ast.parse(body)
+    except SyntaxError:
+        return source
+    keep = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    keep |= {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arguments):
+            args = [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
+            keep |= {a.arg for a in args if a is not None}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            keep |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.JoinedStr):  # names inside f-strings are not tokens (3.11)
+            keep |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    stored = {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    rename = {name: f"{name}_val" for name in stored - keep}
+    lines = body.split("\n")
+    edits: list[tuple[int, int, int, str]] = []
+    prev, depth = None, 0
+    for tok in tokenize.generate_tokens(io.StringIO(body).readline):
+        if tok.type == tokenize.OP and tok.string in "([{)]}":
+            depth += 1 if tok.string in "([{" else -1
+        if (
+            tok.type == tokenize.NAME
+            and tok.string in rename
+            and (prev is None or prev.string != ".")
+        ):
+            rest = tok.line[tok.end[1] :].lstrip()
+            keyword_arg = depth > 0 and rest.startswith("=") and not rest.startswith("==")
+            if not keyword_arg:
+                edits.append((tok.start[0] - 1, tok.start[1], tok.end[1], rename[tok.string]))
+        prev = tok
+    for row, start, end, text in sorted(edits, reverse=True):
+        lines[row] = lines[row][:start] + text + lines[row][end:]
+    spaced = "\n".join(line if line.strip() else "\n" for line in lines)
+    return f"{magic}# my solution\n{spaced}"
+
+
 def labs() -> list[str]:
     """The released labs (folder names under ``labs/``)."""
     return sorted(p.name for p in (ROOT / "labs").iterdir() if p.is_dir())
@@ -160,6 +232,15 @@ def make_student(kind: str, lab: str) -> tuple[dict, dict[str, str]] | None:
         hang = hangs_of(lab)[0]
         nb = _strip_hidden_tests({**_notebook("solution", lab), "_lab": lab})
         return (_replace_solutions(nb, hang) if hang else nb), {}
+    if kind == "copycat":
+        nb, files = make_student(COPIED_FROM, lab)
+        for cell in nb["cells"]:
+            if is_solution(cell) and cell["cell_type"] == "code":
+                src = (
+                    "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                )
+                cell["source"] = disguise(src)
+        return nb, files
     if kind == "cheat":
         nb = _notebook("release", lab)
         for cell in nb["cells"]:
@@ -216,7 +297,14 @@ def expected_scores(lab: str) -> dict[str, dict[str, float]]:
     hang = dict(full)
     for gid in hangs_of(lab)[1]:
         hang[gid] = 0.0
-    return {"perfect": full, "blank": zero, "mistake": zero, "hang": hang, "cheat": zero}
+    return {
+        "perfect": full,
+        "blank": zero,
+        "mistake": zero,
+        "hang": hang,
+        "cheat": zero,
+        "copycat": full,  # integrity reports never change points: the instructor decides
+    }
 
 
 EXPECTED_CSV = ROOT / "tests" / "expected_grades.csv"

@@ -6,8 +6,9 @@ started through :func:`confine`, which (on Linux, as root or with unprivileged u
 namespaces) gives them their own mount namespace in which
 
 - the course root (and the ``ddp_lab`` package, wherever it is installed) is read-only;
-- ``solutions/``, ``ddp_lab/answers`` (the reference answers), ``grading/submitted``, ``grading/autograded``, ``grading/feedback``,
-  ``grading/source_solutions`` and the gradebook are hidden (an empty folder, an empty file);
+- ``solutions/``, ``ddp_lab/answers`` (the reference answers), ``grading/submitted``,
+  ``grading/autograded``, ``grading/feedback``, ``grading/source_solutions`` and the
+  gradebook are hidden (an empty folder, an empty file);
 - only the process's own working folder and the temporary folder (``TMPDIR``) stay writable.
 
 So a submission cannot copy the instructor's solution or a classmate's notebook, cannot

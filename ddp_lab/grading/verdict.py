@@ -16,7 +16,6 @@ result files written by hand) reaches the verdict.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import sys
@@ -241,7 +240,9 @@ def hidden_test(grade_id: str, notebook: str | Path | None = None) -> None:
         return
     path = Path(notebook) if notebook else Path.cwd() / f"{Path.cwd().name}.ipynb"
     if not path.is_file():
-        raise CheckFailed(f"{path.name} not found in {path.parent}: run the notebook from its folder")
+        raise CheckFailed(
+            f"{path.name} not found in {path.parent}: run the notebook from its folder"
+        )
     v = judge_notebook(path, lab_of_notebook(path), [grade_id])[grade_id]
     if not v.passed:
         raise CheckFailed(f"{grade_id} (judged on the saved notebook): {v.message}")
