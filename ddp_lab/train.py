@@ -26,31 +26,33 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_lab import data as data_mod
+from ddp_lab.checkpoint import Checkpoints, ResumableSampler
 from ddp_lab.dist import (
     DEFAULT_TIMEOUT_S,
     CommMeter,
     DistEnv,
-    all_reduce_sum,
     ddp_bucket_count,
     print0,
     setup,
     teardown,
 )
 from ddp_lab.errors import UsageError, exit_on_usage_error
+from ddp_lab.faults import KINDS, Events, Faults, InjectedFault, process_start_time
 from ddp_lab.models import MODELS, build_model, has_batchnorm
+from ddp_lab.monitor import Clock, NormWarning, Recorder, Window
 from ddp_lab.syncbn import convert_sync_batchnorm_auto
 
 PROG = "ddp_lab.train"
 
-#: Flags whose feature arrives with a later lab; given, they stop the run with a clear line.
-NOT_YET = {
-    "ckpt_dir": "--ckpt-dir (checkpoints arrive with lab06)",
-    "ckpt_every": "--ckpt-every (checkpoints arrive with lab06)",
-    "keep_last": "--keep-last (checkpoints arrive with lab06)",
-    "resume": "--resume (elastic restarts arrive with lab06)",
-    "rollback_drop": "--rollback-drop (rollback arrives with lab06)",
-    "fail_at_step": "--fail-at-step (fault injection arrives with lab06)",
+#: Flags that only make sense with ``--ckpt-dir``.
+NEED_CKPT_DIR = {
+    "ckpt_every": "--ckpt-every",
+    "resume": "--resume",
+    "rollback_drop": "--rollback-drop",
 }
+
+#: Flags a resumed run must share with the run that wrote the checkpoint.
+MUST_MATCH = ("model", "dataset", "train_size", "seed", "amp", "sync_bn", "momentum")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,22 +147,64 @@ def build_parser() -> argparse.ArgumentParser:
         "clipping (the norm is free then), at records otherwise; 0: off",
     )
 
-    c = p.add_argument_group("checkpoints and faults")
-    c.add_argument("--ckpt-dir", default=None, help="where checkpoints are written")
-    c.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps")
-    c.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep")
-    c.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
+    c = p.add_argument_group(
+        "checkpoints and faults",
+        "Checkpoints hold everything a bit-identical resume needs (model, optimizer, scaler, "
+        "LR schedule, epoch and position in it, every rank's RNG states, data order); rank 0 "
+        "writes them atomically with a checksum. Resuming on another number of processes "
+        "re-shards the rest of the epoch: no sample is read twice or skipped.",
+    )
+    c.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="folder for checkpoints ckpt-<step>.pt (written by rank 0; every rank reads it)",
+    )
+    c.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        help="checkpoint every N optimizer steps (default with --ckpt-dir: at every epoch end)",
+    )
+    c.add_argument(
+        "--keep-last",
+        type=int,
+        default=3,
+        help="checkpoints kept (the newest ones; the best one for --rollback-drop stays too)",
+    )
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest valid checkpoint in --ckpt-dir when there is one "
+        "(a corrupt newest one is reported and the previous one used), else start fresh; "
+        "use it under torchrun --max-restarts",
+    )
     c.add_argument(
         "--rollback-drop",
         type=float,
         default=None,
-        help="restore the best checkpoint when accuracy drops by more than this",
+        help="evaluate at every checkpoint; when test accuracy falls more than this many "
+        "percentage points below the best checkpoint's, restore that checkpoint's weights, "
+        "optimizer and scaler (the step count and the data go on) and flag it in the "
+        "metrics (the seeds use 5)",
     )
     c.add_argument(
         "--fail-at-step",
         type=int,
         default=None,
-        help="fault injection: one rank raises once at this global step",
+        help="fault injection: fail once at this global step, on the first attempt only "
+        "(TORCHELASTIC_RESTART_COUNT 0: a restarted group does not fail again)",
+    )
+    c.add_argument(
+        "--fault",
+        choices=list(KINDS),
+        default="raise",
+        help="how --fail-at-step fails: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()),
+    )
+    c.add_argument(
+        "--fail-rank",
+        type=int,
+        default=None,
+        help="the rank that fails at --fail-at-step (default: the last rank)",
     )
 
     r = p.add_argument_group("runtime and outputs")
@@ -174,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--pg-timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
-        help="seconds a collective may wait before the job fails (not hangs)",
+        help="seconds a collective may wait before the job fails (instead of hanging): the "
+        "error names the rank, the collective and the step, and the ranks that never "
+        "arrived; lab 6 uses 10-30 s",
     )
     r.add_argument(
         "--tensorboard",
@@ -229,10 +275,12 @@ class Config:
     grad_norm_warn: float
     ckpt_dir: str | None
     ckpt_every: int | None
-    keep_last: int | None
+    keep_last: int
     resume: bool
     rollback_drop: float | None
     fail_at_step: int | None
+    fault: str
+    fail_rank: int | None
     backend: str
     pg_timeout: float
     tensorboard: str | None
@@ -249,10 +297,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
         UsageError: a value out of range, or a flag whose feature is not available yet.
     """
     cfg = Config(**vars(build_parser().parse_args(argv)))
-    for name, what in NOT_YET.items():
-        value = getattr(cfg, name)
-        if value not in (None, False):
-            raise UsageError(f"{what} is not available yet in this version of ddp_lab")
+    for name, flag in NEED_CKPT_DIR.items():
+        if getattr(cfg, name) not in (None, False) and cfg.ckpt_dir is None:
+            raise UsageError(f"{flag} needs --ckpt-dir DIR (where checkpoints are written)")
     positive = {
         "--epochs": cfg.epochs,
         "--batch-size": cfg.batch_size,
@@ -261,8 +308,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--test-size": cfg.test_size,
         "--log-every": cfg.log_every,
     }
-    if cfg.max_steps is not None:
-        positive["--max-steps"] = cfg.max_steps
+    optional = {
+        "--max-steps": cfg.max_steps,
+        "--ckpt-every": cfg.ckpt_every,
+        "--keep-last": cfg.keep_last,
+        "--fail-at-step": cfg.fail_at_step,
+    }
+    positive.update({flag: v for flag, v in optional.items() if v is not None})
     for flag, value in positive.items():
         if value <= 0:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
@@ -270,6 +322,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise UsageError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise UsageError(f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}")
+    if cfg.rollback_drop is not None and not (
+        cfg.rollback_drop > 0 and math.isfinite(cfg.rollback_drop)
+    ):
+        raise UsageError(f"--rollback-drop must be positive (points), got {cfg.rollback_drop}")
+    if cfg.fail_rank is not None and cfg.fail_rank < 0:
+        raise UsageError(f"--fail-rank must be >= 0, got {cfg.fail_rank}")
     if cfg.warmup_steps < 0:
         raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
     if not (cfg.grad_norm_warn >= 0 and math.isfinite(cfg.grad_norm_warn)):
@@ -282,6 +340,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def check_environment(cfg: Config, env: DistEnv) -> None:
     """Refuse combinations this machine cannot run (with the fix in the message), and say in
     one line when a choice runs correctly but slowly here (fp16 or bf16 on an older CPU)."""
+    if cfg.fail_rank is not None and cfg.fail_rank >= env.world_size:
+        raise UsageError(
+            f"--fail-rank {cfg.fail_rank} does not exist in a job of {env.world_size} "
+            f"process(es); use 0 .. {env.world_size - 1}"
+        )
     if cfg.amp != "off" and env.device.type == "cpu" and not fast_cpu_amp(cfg.amp):
         print0(
             f"{PROG}: note: this CPU has no fast {cfg.amp} kernels (oneDNN reports none); "
@@ -428,215 +491,233 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
     )
 
 
-def _progress(total: int, env: DistEnv, cfg: Config):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        desc="train",
-        unit="step",
-        mininterval=1.0,
-        dynamic_ncols=True,
-        disable=not env.is_rank0 or cfg.no_progress,
-        file=sys.stderr,
+def make_loader(
+    dataset: torch.utils.data.Dataset, cfg: Config, env: DistEnv
+) -> tuple[torch.utils.data.DataLoader, ResumableSampler]:
+    """This rank's training loader: ``DistributedSampler``'s order that can resume mid-epoch
+    (:class:`~ddp_lab.checkpoint.ResumableSampler`), full batches only, and its own seeded
+    generator, so that loading never draws from the global RNG."""
+    sampler = ResumableSampler(len(dataset), env.world_size, env.rank, seed=cfg.seed)
+    if len(sampler) < cfg.batch_size:
+        raise UsageError(
+            f"each of the {env.world_size} process(es) gets {len(sampler)} training samples, "
+            f"fewer than one batch of {cfg.batch_size}; lower --batch-size or use more data"
+        )
+    workers = cfg.num_workers
+    if workers is None:
+        workers = 4 if env.device.type == "cuda" else 0
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=env.device.type == "cuda",
+        generator=torch.Generator().manual_seed(cfg.seed),
+        persistent_workers=workers > 0,
     )
+    return loader, sampler
 
 
-class Clock:
-    """Training time: from the end of the first step, without evaluation and checkpoints.
+@dataclass
+class Position:
+    """Where training is: optimizer steps done, the epoch, and the global samples of that
+    epoch already read (the same number at every world size)."""
 
-    The first step is warm-up (allocations, DDP's bucket rebuild) and is not timed.
-    ``with clock.paused("eval"):`` keeps a block out of the training time and adds its
-    duration to ``clock.other["eval"]``.
+    step: int = 0
+    epoch: int = 0
+    samples: int = 0
 
-    Example:
-        >>> clock = Clock()
-        >>> clock.start()
-        >>> with clock.paused("eval"):
-        ...     pass
-        >>> clock.train_seconds() >= 0.0
-        True
+
+def training_state(
+    cfg: Config,
+    env: DistEnv,
+    pos: Position,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    scheduler,
+    loader: torch.utils.data.DataLoader,
+    evals: list[dict],
+) -> dict:
+    """Everything a bit-identical resume needs (the RNG states are added by
+    :meth:`~ddp_lab.checkpoint.Checkpoints.save`)."""
+    return {
+        "format": 1,
+        "step": pos.step,
+        "epoch": pos.epoch,
+        "epoch_samples": pos.samples,
+        "world_size": env.world_size,
+        "global_batch": cfg.batch_size * env.world_size * cfg.accum_steps,
+        "config": asdict(cfg),
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "loader_generator": loader.generator.get_state(),
+        "evals": evals,
+    }
+
+
+def check_resumable(state: dict, cfg: Config, env: DistEnv) -> None:
+    """Refuse a checkpoint written with other essential flags; say so when the number of
+    processes changed (the rest of the epoch is re-sharded)."""
+    old = state["config"]
+    diff = [f"--{k.replace('_', '-')} {old[k]} (now {getattr(cfg, k)})" for k in MUST_MATCH]
+    diff = [d for d, k in zip(diff, MUST_MATCH, strict=True) if old[k] != getattr(cfg, k)]
+    if diff:
+        raise UsageError(
+            f"the checkpoint {state['path']} was written with {', '.join(diff)}; resume "
+            "with the same flags, or start afresh with another --ckpt-dir"
+        )
+    if state["world_size"] != env.world_size:
+        left = cfg.train_size - state["epoch_samples"] if cfg.dataset == "synthetic" else "the"
+        print0(
+            f"{PROG}: resuming a {state['world_size']}-process checkpoint on "
+            f"{env.world_size} process(es): {left} remaining samples of epoch "
+            f"{state['epoch']} are re-sharded over the new ranks",
+            env=env,
+            file=sys.stderr,
+        )
+
+
+def settle_buckets(model: torch.nn.Module, cfg: Config, env: DistEnv) -> None:
+    """Let DDP build its final gradient buckets now, with a backward pass that changes nothing.
+
+    DDP starts with one bucket in registration order and rebuilds its buckets in the order
+    gradients became ready after its first backward. An uninterrupted run takes step 1 on the
+    first layout and every later step on the rebuilt one; a resumed run would take its first
+    step on the first layout. With 3 or more ranks the ring all-reduce then adds the three
+    gradients in another order (float addition is not associative) and the weights differ in
+    the last bits. One zero-loss forward and backward here (buffers restored, gradients
+    dropped) records the order, so the resumed run's first step uses the rebuilt layout:
+    bit-identical again.
     """
-
-    def __init__(self) -> None:
-        self.t0: float | None = None
-        self.pause = 0.0
-        self.other: dict[str, float] = {}
-
-    def start(self) -> None:
-        """Start the training clock (at the end of the first step)."""
-        self.t0, self.pause = time.perf_counter(), 0.0
-
-    @contextlib.contextmanager
-    def paused(self, what: str):
-        """Keep the block's time out of the training time; add it to ``other[what]``."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t
-            self.pause += dt
-            self.other[what] = self.other.get(what, 0.0) + dt
-
-    def train_seconds(self) -> float:
-        """Seconds of training since :meth:`start` (NaN before it)."""
-        return float("nan") if self.t0 is None else time.perf_counter() - self.t0 - self.pause
+    if not isinstance(model, DDP):
+        return
+    buffers = {k: v.clone() for k, v in unwrap(model).named_buffers()}
+    x = torch.zeros(2, *data_mod.IMAGE_SHAPE, device=env.device)
+    with _autocast(cfg, env):
+        out = model(x)
+    (out.float().sum() * 0.0).backward()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for k, v in unwrap(model).named_buffers():
+            v.copy_(buffers[k])
 
 
-class Window:
-    """What the loop accumulates between two metrics records, without a host sync per step.
+def make_faults(cfg: Config, env: DistEnv) -> Faults:
+    """The run's :class:`~ddp_lab.faults.Faults` from ``--fail-at-step``, ``--fault`` and
+    ``--fail-rank`` (default: the last rank)."""
+    rank = cfg.fail_rank if cfg.fail_rank is not None else env.world_size - 1
 
-    Loss sum, skipped-step count and the running maximum of the gradient norm stay device
-    tensors; counts and times are host numbers the loop has anyway. :meth:`close` does the
-    record's one all-reduce (the loss) and its few host reads.
+    def rebuild() -> torch.nn.Module:  # --fault scramble: a fresh init, same on every rank
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 1)
+            return build_model(cfg.model)
+
+    return Faults(cfg.fail_at_step, cfg.fault, rank, env, None, cfg.pg_timeout, rebuild)
+
+
+def checkpoint(
+    ckpts: Checkpoints,
+    run: tuple,
+    test_set: torch.utils.data.Dataset,
+    faults: Faults,
+    events: Events,
+    accuracy: float | None = None,
+) -> list[dict]:
+    """Save the checkpoint of the current step (a collective: every rank calls it).
+
+    With ``--rollback-drop`` the weights are evaluated first (unless ``accuracy`` is
+    given); when the test accuracy fell more than that many points below the best
+    checkpoint's, the best checkpoint's weights, optimizer and scaler state come back
+    before saving (the step count, the LR schedule and the data order go on: the batches in
+    between are skipped, as large training runs do after a loss spike).
 
     Args:
-        env: this process's :class:`DistEnv`.
-        clock: the run's :class:`Clock` (its pauses are not training time).
-        comm: the :class:`CommMeter` of the DDP model (``None`` on one process).
+        ckpts: the run's checkpoints.
+        run: ``(cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals)``.
+        test_set: the validation set of the rollback rule.
+        faults: for the error context.
+        events: the run's timeline.
+        accuracy: the test accuracy of the current weights, when just measured.
+
+    Returns:
+        ``[rollback record]`` when it rolled back, else ``[]``.
     """
-
-    def __init__(self, env: DistEnv, clock: Clock, comm: CommMeter | None) -> None:
-        self.env, self.clock, self.comm = env, clock, comm
-        self.loss = torch.zeros((), device=env.device)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=env.device)
-        self.norm_max = torch.zeros((), device=env.device)
-        self.steps = self.timed_steps = 0
-        self.t_wall, self.pause_wall = time.perf_counter(), 0.0
-        self.t_timed: float | None = None
-        self.pause_timed = 0.0
-
-    def add_step(self, grad_norm: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
-        """Count one optimizer step; the first one of the run starts the clocks."""
-        if grad_norm is not None:  # a skipped fp16 step has an inf norm: not a spike
-            finite = torch.nan_to_num(grad_norm.detach().float(), nan=0.0, posinf=0.0)
-            torch.maximum(self.norm_max, finite, out=self.norm_max)
-        if skipped is not None:
-            self.skipped += skipped
-        self.steps += 1
-        if self.clock.t0 is None:
-            self.clock.start()
-            self.t_timed, self.pause_timed = self.clock.t0, 0.0
-        else:
-            self.timed_steps += 1
-
-    def close(self, global_batch: int) -> dict[str, float]:
-        """The window's numbers (mean loss over its steps and all ranks, samples/s, max grad
-        norm, skipped steps, communication), then start a new window."""
-        mean = all_reduce_sum(self.loss.reshape(1), self.env).item()
-        mean /= self.env.world_size * self.steps
-        now = time.perf_counter()
-        timed = now - self.t_timed - (self.clock.pause - self.pause_timed)
-        wall = now - self.t_wall - (self.clock.pause - self.pause_wall)
-        calls, comm_s = self.comm.take() if self.comm is not None else (0, 0.0)
-        stats = {
-            "loss": mean,
-            "samples_per_s": (
-                self.timed_steps * global_batch / timed if self.timed_steps else float("nan")
-            ),
-            "grad_norm_max": self.norm_max.item(),
-            "skipped": int(self.skipped.item()),
-            "comm_s": comm_s,
-            "comm_share": comm_s / wall if wall > 0 else float("nan"),
-            "allreduces_per_step": calls / self.steps,
-        }
-        self.loss.zero_()
-        self.skipped.zero_()
-        self.norm_max.zero_()
-        self.steps = self.timed_steps = 0
-        self.t_wall = self.t_timed = now
-        self.pause_wall = self.pause_timed = self.clock.pause
-        return stats
-
-
-class NormWarning:
-    """One stderr line when the gradient norm exceeds ``--grad-norm-warn`` (rank 0), at most
-    one every ``every_s`` seconds; the lines in between are counted, not lost."""
-
-    def __init__(self, limit: float, env: DistEnv, every_s: float = 10.0) -> None:
-        self.limit, self.env, self.every_s = limit, env, every_s
-        self.last = -math.inf
-        self.quiet = 0
-
-    def check(self, norm_max: float, step: int, clipping: float | None) -> bool:
-        """True when ``norm_max`` exceeds the limit (0: off); warns when due."""
-        if not self.limit or not norm_max > self.limit:
-            return False
-        now = time.monotonic()
-        if now - self.last >= self.every_s:
-            more = f" ({self.quiet} more record(s) above it since the last warning)"
+    cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals = run
+    faults.at(f"the checkpoint of step {pos.step}")
+    rolled = []
+    if cfg.rollback_drop is None:
+        accuracy = None  # the best checkpoint matters only for a rollback
+    else:
+        if accuracy is None:
+            sync_buffers(model, env)
+            accuracy = data_mod.evaluate(unwrap(model), test_set, env)["accuracy"]
+        if ckpts.dropped(accuracy, cfg.rollback_drop):
+            best = ckpts.load_best()
+            unwrap(model).load_state_dict(best["model"])
+            optimizer.load_state_dict(best["optimizer"])
+            scaler.load_state_dict(best["scaler"])
+            rolled = [
+                {
+                    "step": pos.step,
+                    "accuracy": accuracy,
+                    "restored_step": best["step"],
+                    "restored_accuracy": best["accuracy"],
+                }
+            ]
+            events.log("rollback", **rolled[0])
             print0(
-                f"{PROG}: warning: gradient norm {norm_max:.3g} > --grad-norm-warn "
-                f"{self.limit:g} by step {step}"
-                + (f"; clipped to {clipping:g}" if clipping else "; not clipped")
-                + (more if self.quiet else ""),
-                env=self.env,
+                f"{PROG}: rollback at step {pos.step}: test accuracy {accuracy:.4f} is more "
+                f"than --rollback-drop {cfg.rollback_drop:g} points below the best "
+                f"checkpoint's {best['accuracy']:.4f} (step {best['step']}); restored its "
+                "weights, optimizer and scaler",
+                env=env,
                 file=sys.stderr,
             )
-            self.last, self.quiet = now, 0
-        else:
-            self.quiet += 1
-        return True
+            accuracy = best["accuracy"]
+    state = training_state(cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals)
+    info = ckpts.save(pos.step, state, accuracy)
+    events.log(
+        "checkpoint",
+        step=pos.step,
+        path=info["path"],
+        bytes=info["bytes"],
+        seconds=info["seconds"],
+        accuracy=accuracy,
+    )
+    return rolled
 
 
-class Recorder:
-    """Rank 0's outputs while training: ``metrics.jsonl``, TensorBoard scalars, the progress
-    bar. On the other ranks every method does nothing."""
-
-    #: The record fields shown in TensorBoard (under ``train/``).
-    SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "comm_share")
-
-    def __init__(self, cfg: Config, env: DistEnv, total_steps: int) -> None:
-        self.metrics = self.writer = None
-        self.bar = _progress(total_steps, env, cfg)
-        if env.is_rank0:
-            os.makedirs(cfg.out, exist_ok=True)
-            self.metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
-            if cfg.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(cfg.tensorboard)
-
-    def record(self, record: dict, steps: int) -> None:
-        """Write one metrics record covering ``steps`` optimizer steps."""
-        if self.metrics is None:
-            return
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
-        for key in self.SCALARS:
-            if key in record:
-                self.scalar(f"train/{key}", record[key], record["step"])
-        self.bar.update(steps)
-        self.bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        """One TensorBoard scalar (when ``--tensorboard`` is given)."""
-        if self.writer is not None:
-            self.writer.add_scalar(tag, value, step)
-
-    def close(self) -> None:
-        """Close the bar, the metrics file and the TensorBoard writer."""
-        self.bar.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
-def train(cfg: Config, env: DistEnv) -> dict:
+def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
     """Train as ``cfg`` says on the process group ``env``; rank 0 writes the outputs.
 
     Per step the loop does no host sync and no collective besides DDP's gradient
     all-reduce: the loss stays on the device and is averaged over ranks and steps only
     every ``--log-every`` steps (and on the last step); the gradient norm is computed only
-    on those steps or when clipping needs it.
+    on those steps or when clipping needs it. With ``--ckpt-dir`` it checkpoints, with
+    ``--resume`` it continues from the newest valid checkpoint, bit-identically.
+
+    Args:
+        cfg: the options (:func:`parse_args`).
+        env: this process's :class:`~ddp_lab.dist.DistEnv`.
+        faults: fault injection and error context (made from ``cfg`` when omitted).
 
     Returns:
         The summary dict (also written to ``cfg.out/summary.json`` by rank 0).
     """
     torch.manual_seed(cfg.seed)
+    events = Events(cfg.out, env, fresh=not cfg.resume)
+    events.log("start", when=process_start_time())
+    events.log("joined")  # the process group is up (setup ran before)
+    if faults is None:
+        faults = make_faults(cfg, env)
+    faults.events = events
 
     # Data: rank 0 first, so that only one process downloads.
+    faults.at("the data barrier (rank 0 prepares the data set)")
     if env.distributed and not env.is_rank0:
         dist.barrier()
     train_set, test_set = data_mod.make_datasets(
@@ -644,21 +725,14 @@ def train(cfg: Config, env: DistEnv) -> dict:
     )
     if env.distributed and env.is_rank0:
         dist.barrier()
-    workers = (
-        cfg.num_workers if cfg.num_workers is not None else (4 if env.device.type == "cuda" else 0)
-    )
-    micro_batches, sampler = data_mod.make_train_loader(
-        train_set, cfg.batch_size, env, seed=cfg.seed, num_workers=workers
-    )
-    steps_per_epoch = len(micro_batches) // cfg.accum_steps
+    loader, sampler = make_loader(train_set, cfg, env)
+    micro_per_step = cfg.batch_size * cfg.accum_steps  # samples per rank per optimizer step
+    steps_per_epoch = len(sampler) // micro_per_step
     if steps_per_epoch == 0:
         raise UsageError(
-            f"one epoch has {len(micro_batches)} micro-batches per process, fewer than "
-            f"--accum-steps {cfg.accum_steps}; lower --accum-steps or --batch-size"
+            f"one epoch has {len(sampler) // cfg.batch_size} micro-batches per process, "
+            f"fewer than --accum-steps {cfg.accum_steps}; lower --accum-steps or --batch-size"
         )
-    total_steps = steps_per_epoch * cfg.epochs
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
 
     # Model: same seed on every rank; DDP also broadcasts rank 0's weights at wrap time.
     model = wrap_model(build_model(cfg.model), cfg, env)
@@ -670,7 +744,38 @@ def train(cfg: Config, env: DistEnv) -> dict:
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
     global_batch = cfg.batch_size * env.world_size * cfg.accum_steps
 
-    recorder = Recorder(cfg, env, total_steps)
+    # Resume: every rank loads the same checkpoint onto its own device.
+    pos, evals, resumed = Position(), [], None
+    ckpts = Checkpoints(cfg.ckpt_dir, env, cfg.keep_last) if cfg.ckpt_dir else None
+    if cfg.resume:
+        faults.at("loading the checkpoint")
+        resumed = ckpts.load_latest()  # also restores this rank's RNG states
+    if resumed is not None:
+        check_resumable(resumed, cfg, env)
+        unwrap(model).load_state_dict(resumed["model"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        scaler.load_state_dict(resumed["scaler"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        loader.generator.set_state(resumed["loader_generator"].cpu())
+        pos = Position(resumed["step"], resumed["epoch"], resumed["epoch_samples"])
+        if pos.step > 0:
+            settle_buckets(model, cfg, env)  # the bucket layout of an uninterrupted run
+            if comm is not None:
+                comm.take()
+        evals = resumed["evals"]
+        events.log("resumed", step=pos.step, path=resumed["path"])
+        print0(
+            f"{PROG}: resumed from {resumed['path']} (step {pos.step}, epoch {pos.epoch})",
+            env=env,
+            file=sys.stderr,
+        )
+    sampler.set_epoch(pos.epoch, start=pos.samples)
+    total_steps = pos.step + len(sampler) // micro_per_step
+    total_steps += steps_per_epoch * max(0, cfg.epochs - pos.epoch - 1)
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    recorder = Recorder(cfg, env, total_steps, pos.step if resumed else None)
     print0(
         f"{PROG}: {env.world_size} process(es), backend {env.backend}, device "
         f"{env.device.type}; model {cfg.model}, dataset {cfg.dataset} ({len(train_set)} "
@@ -682,19 +787,23 @@ def train(cfg: Config, env: DistEnv) -> dict:
         file=sys.stderr,
     )
 
-    step, last_loss, evals = 0, float("nan"), []
+    first_step, last_loss, rollbacks, pending = pos.step + 1, float("nan"), [], {}
     clock = Clock()
     window = Window(env, clock, comm)  # between two records: no .item(), no extra collective
     norm_warning = NormWarning(cfg.grad_norm_warn, env)
     t_start = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        if step >= total_steps:
+    for epoch in range(pos.epoch, cfg.epochs):
+        if pos.step >= total_steps:
             break
-        sampler.set_epoch(epoch)  # without it every epoch repeats the same order
-        batches = iter(micro_batches)
-        for _ in range(steps_per_epoch):
-            if step >= total_steps:
+        # The epoch's order from (seed, epoch); after a resume, from where it stopped.
+        sampler.set_epoch(epoch, start=pos.samples if epoch == pos.epoch else 0)
+        pos.epoch, pos.samples = epoch, sampler.start
+        steps_this_epoch = len(sampler) // micro_per_step
+        batches = iter(loader)
+        for _ in range(steps_this_epoch):
+            if pos.step >= total_steps:
                 break
+            faults.before_step(pos.step + 1, model)  # --fail-at-step: raise, kill, hang, ...
             for micro in range(cfg.accum_steps):
                 x, y = next(batches)
                 x = x.to(env.device, non_blocking=True)
@@ -711,74 +820,104 @@ def train(cfg: Config, env: DistEnv) -> dict:
                         loss = torch.nn.functional.cross_entropy(model(x), y)
                     scaler.scale(loss / cfg.accum_steps).backward()  # loss / K: a mean
                 window.loss += loss.detach().float() / cfg.accum_steps
-            log_now = (step + 1) % cfg.log_every == 0 or step + 1 == total_steps
+            log_now = (pos.step + 1) % cfg.log_every == 0 or pos.step + 1 == total_steps
             step_lr = optimizer.param_groups[0]["lr"]
             # unscale -> clip -> step (skipped on inf with fp16) -> update the loss scale
             grad_norm, skipped = optimizer_step(
                 optimizer, scaler, params, cfg.clip_grad_norm, need_norm=log_now
             )
             scheduler.step()  # the warm-up's next rate
-            step += 1
+            pos.step += 1
+            pos.samples += global_batch
             window.add_step(grad_norm, skipped)
+            if pos.step == first_step:
+                events.log("first_step", step=pos.step)
 
+            if ckpts is not None and cfg.ckpt_every and pos.step % cfg.ckpt_every == 0:
+                with clock.paused("checkpoint"):
+                    state = (cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals)
+                    done = checkpoint(ckpts, state, test_set, faults, events)
+                rollbacks += done
+                pending.update({"rollback": done[-1]} if done else {})
             if log_now:  # one all-reduce and a few host reads per record, not per step
+                faults.at(f"the loss all-reduce of the record at step {pos.step}")
                 steps_in_window = window.steps
-                stats = window.close(global_batch)
+                stats = window.close(global_batch, grad_norm)
                 last_loss = stats["loss"]
                 record = {
-                    "step": step,
+                    "step": pos.step,
                     "epoch": epoch,
                     **stats,
                     "lr": step_lr,
-                    "grad_norm": float(grad_norm),  # this step's, before clipping
                     "grad_norm_warn": norm_warning.check(
-                        stats["grad_norm_max"], step, cfg.clip_grad_norm
+                        stats["grad_norm_max"], pos.step, cfg.clip_grad_norm
                     ),
+                    **pending,  # a rollback since the last record
                 }
+                pending = {}
                 if scaler.is_enabled():
                     record["loss_scale"] = scaler.get_scale()
                 else:
                     del record["skipped"]
                 recorder.record(record, steps_in_window)
+
+        epoch_done = pos.samples - sampler.start == steps_this_epoch * global_batch
         with clock.paused("eval"):
+            faults.at(f"the evaluation after epoch {epoch}")
             sync_buffers(model, env)
             ev = data_mod.evaluate(unwrap(model), test_set, env)
-        evals.append({"epoch": epoch, "step": step, **ev})
-        recorder.scalar("eval/accuracy", ev["accuracy"], step)
+        evals.append({"epoch": epoch, "step": pos.step, **ev})
+        recorder.scalar("eval/accuracy", ev["accuracy"], pos.step)
         print0(
-            f"epoch {epoch}: step {step}, test accuracy {ev['accuracy']:.4f}, "
+            f"epoch {epoch}: step {pos.step}, test accuracy {ev['accuracy']:.4f}, "
             f"test loss {ev['loss']:.4f}",
             env=env,
             file=sys.stderr,
         )
+        if ckpts is not None and cfg.ckpt_every is None:  # default: at every epoch end
+            if epoch_done:
+                pos.epoch, pos.samples = epoch + 1, 0
+            with clock.paused("checkpoint"):
+                state = (cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals)
+                done = checkpoint(ckpts, state, test_set, faults, events, ev["accuracy"])
+            rollbacks += done
+            pending.update({"rollback": done[-1]} if done else {})
+    recorder.close()
     seconds = time.perf_counter() - t_start
     train_seconds = clock.train_seconds()
+    done_here = pos.step - first_step + 1  # steps this process ran (after a resume: fewer)
     summary = {
         "final_loss": last_loss,
-        "accuracy": evals[-1]["accuracy"],
-        "test_loss": evals[-1]["loss"],
-        "steps": step,
+        "accuracy": evals[-1]["accuracy"] if evals else float("nan"),
+        "test_loss": evals[-1]["loss"] if evals else float("nan"),
+        "steps": pos.step,
         "epochs": len(evals),
         "world_size": env.world_size,
         "backend": env.backend,
         "device": env.device.type,
         # training steps only: from the end of the first step, evaluation excluded
-        "samples_per_s": (step - 1) * global_batch / train_seconds if step > 1 else float("nan"),
+        "samples_per_s": (
+            (done_here - 1) * global_batch / train_seconds if done_here > 1 else float("nan")
+        ),
         "train_seconds": train_seconds,
         "eval_seconds": clock.other.get("eval", 0.0),
+        "checkpoint_seconds": clock.other.get("checkpoint", 0.0),
         "seconds": seconds,
         "global_batch": global_batch,
         "lr": lr,
         "log_every": cfg.log_every,
         "ddp_buckets": ddp_bucket_count(model) if env.distributed else None,
+        "resumed_from": resumed["step"] if resumed else None,
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "rollbacks": rollbacks,
         "evals": evals,
         "config": asdict(cfg),
     }
-    recorder.close()
     if env.is_rank0:
         save_atomic(unwrap(model).state_dict(), os.path.join(cfg.out, "model.pt"))
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        events.log("done", step=pos.step)
         print0(
             f"{PROG}: done in {seconds:.1f} s, {summary['samples_per_s']:.0f} samples/s; "
             f"results in {cfg.out}/",
@@ -790,9 +929,15 @@ def train(cfg: Config, env: DistEnv) -> dict:
 
 @exit_on_usage_error(PROG)
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m ddp_lab.train`` and of torchrun's ``-m ddp_lab.train``."""
+    """Entry point of ``python -m ddp_lab.train`` and of torchrun's ``-m ddp_lab.train``.
+
+    Returns 0 on success, 1 when an injected fault fired or a collective failed (timeout,
+    lost peer: one ``error:`` line naming the rank, the collective and the step); usage
+    errors exit with 2 (:mod:`ddp_lab.errors`).
+    """
     cfg = parse_args(argv)
     env = setup(cfg.backend, cfg.pg_timeout)
+    faults = make_faults(cfg, env)
     try:
         check_environment(cfg, env)
         if cfg.dry_run:
@@ -808,10 +953,22 @@ def main(argv: list[str] | None = None) -> int:
                 env=env,
             )
             return 0
-        train(cfg, env)
+        train(cfg, env, faults)
+    except InjectedFault as err:
+        return _failed(env, str(err))
+    except RuntimeError as err:
+        line = faults.explain(err)
+        if line is None:
+            raise
+        return _failed(env, line)
     finally:
         teardown()
     return 0
+
+
+def _failed(env: DistEnv, line: str) -> int:
+    print(f"{PROG}: error: [rank {env.rank}] {line}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,18 @@ CASES = {
         {},
         ["--dataset synthetic", "--data-dir"],
     ),
-    "feature not yet available": (["--resume"], {}, ["--resume", "not available yet"]),
+    "resume without a folder": (["--resume"], {}, ["--resume needs --ckpt-dir"]),
+    "no checkpoint kept": (
+        ["--ckpt-dir", "{tmp}/ck", "--keep-last", "0"],
+        {},
+        ["--keep-last", "positive"],
+    ),
+    "negative rollback drop": (
+        ["--ckpt-dir", "{tmp}/ck", "--rollback-drop", "-5"],
+        {},
+        ["--rollback-drop", "positive"],
+    ),
+    "failing rank out of range": (["--fail-rank", "3"], {}, ["--fail-rank 3", "0 .. 0"]),
 }
 
 

@@ -26,6 +26,11 @@ COURSE_FLAGS = [
     "--resume",
     "--rollback-drop",
     "--fail-at-step",
+    "--fault",
+    "--fail-rank",
+    "--warmup-steps",
+    "--grad-norm-warn",
+    "--log-every",
     "--backend",
     "--pg-timeout",
     "--tensorboard",
@@ -67,6 +72,23 @@ ALL_FLAGS = [
     "2",
     "--clip-grad-norm",
     "1.0",
+    "--warmup-steps",
+    "1",
+    "--grad-norm-warn",
+    "10",
+    "--ckpt-dir",
+    "CK",
+    "--ckpt-every",
+    "1",
+    "--keep-last",
+    "2",
+    "--resume",
+    "--rollback-drop",
+    "50",
+    "--fault",
+    "raise",
+    "--fail-rank",
+    "1",
     "--backend",
     "gloo",
     "--pg-timeout",
@@ -93,10 +115,8 @@ def test_help_documents_every_contract_flag():
 @pytest.mark.timeout(120)
 def test_every_flag_passes_through_real_torchrun(tmp_path):
     """torchrun parses its own flags first; none of ours may be mistaken for one of its."""
-    args = [
-        a.replace("TB", str(tmp_path / "tb")).replace("OUT", str(tmp_path / "out"))
-        for a in ALL_FLAGS
-    ]
+    places = {"TB": tmp_path / "tb", "OUT": tmp_path / "out", "CK": tmp_path / "ck"}
+    args = [str(places.get(a, a)) for a in ALL_FLAGS]
     dry = run_trainer([*args, "--dry-run"], nproc=2, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
     config = json.loads(dry.stdout.strip().splitlines()[-1])
@@ -108,6 +128,7 @@ def test_every_flag_passes_through_real_torchrun(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["lr"] == pytest.approx(0.1 * 2 * 2)
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir())[-1] == "ckpt-00000002.pt"
 
 
 @pytest.mark.timeout(120)
@@ -134,23 +155,11 @@ def test_outputs_have_the_documented_fields(trainer):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_later_lab_flags_reach_the_trainer_through_torchrun(tmp_path):
-    """Flags of features still to come pass torchrun's parser and get our clear message."""
-    later = [
-        "--ckpt-dir",
-        str(tmp_path / "ck"),
-        "--ckpt-every",
-        "5",
-        "--keep-last",
-        "2",
-        "--resume",
-        "--rollback-drop",
-        "5",
-        "--fail-at-step",
-        "3",
-        "--sync-bn",
-    ]
-    proc = run_trainer([*later, "--out", str(tmp_path / "out")], nproc=2, timeout=120)
+def test_fault_flags_reach_the_trainer_through_torchrun(tmp_path):
+    """The fault flags pass torchrun's parser and take effect: rank 0 fails at step 2."""
+    flags = ["--fail-at-step", "2", "--fault", "raise", "--fail-rank", "0", "--sync-bn"]
+    flags += ["--train-size", "64", "--test-size", "8", "--batch-size", "8"]
+    proc = run_trainer([*flags, "--out", str(tmp_path / "out")], nproc=2, timeout=120)
     assert proc.returncode != 0
-    assert "not available yet" in proc.stderr
+    assert "[rank 0] injected fault at step 2" in proc.stderr
     assert "unrecognized arguments" not in proc.stderr

@@ -1,0 +1,318 @@
+"""Checkpoints: written atomically by rank 0, checksummed, loaded by every rank, pruned,
+and the best one kept for a rollback; plus the data order that lets a run resume mid-epoch.
+
+A checkpoint file ``ckpt-<step>.pt`` is one header line ``DDPLAB-CKPT 1 sha256=<hex>``
+followed by a ``torch.save`` payload (read back with ``weights_only=True``). Writing goes
+to a temporary file in the same folder, is flushed and fsync'ed, then renamed over the final
+name (and the folder fsync'ed): a crash or a full disk never leaves half a file under a
+checkpoint's name, and never touches an older checkpoint. A file whose checksum does not
+match (truncated, damaged) is reported in one line and the previous one is used.
+
+Resuming at another world size: the epoch's global order is the same for every world size
+(:class:`ResumableSampler`, equal to ``DistributedSampler``), and after ``k`` steps exactly
+the first ``k x global batch`` samples of it have been read. The resumed run re-shards the
+rest of that order over the new ranks, so no sample of the epoch is read twice or skipped
+(the tail smaller than one global batch is dropped, as in every epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from ddp_lab.dist import DistEnv, print0
+
+MAGIC = b"DDPLAB-CKPT 1 sha256="
+NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file that cannot be trusted (bad header, checksum mismatch, unreadable)."""
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint written after optimizer step ``step``.
+
+    Example:
+        >>> checkpoint_name(42)
+        'ckpt-00000042.pt'
+    """
+    return f"ckpt-{step:08d}.pt"
+
+
+def encode(state: dict) -> bytes:
+    """``state`` serialised with ``torch.save``, behind a header line with its SHA-256.
+
+    Example:
+        >>> decode(encode({"step": 3}))["step"]
+        3
+    """
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def decode(data: bytes, map_location: str | torch.device | None = None) -> dict:
+    """The state inside :func:`encode`'s bytes, after checking the checksum.
+
+    Raises:
+        CorruptCheckpoint: bad header, checksum mismatch (a truncated file) or bad payload.
+    """
+    head, sep, payload = data.partition(b"\n")
+    if not (sep and head.startswith(MAGIC)):
+        raise CorruptCheckpoint("no checkpoint header")
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC) :]:
+        raise CorruptCheckpoint(f"checksum mismatch ({len(data)} bytes: truncated or damaged)")
+    try:
+        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    except Exception as err:  # a payload that hashes right but does not load
+        raise CorruptCheckpoint(f"unreadable payload ({type(err).__name__})") from None
+
+
+def write_atomic(data: bytes, path: str) -> None:
+    """Write ``data`` to ``path`` so that ``path`` holds either its old content or all of
+    ``data``: temporary file in the same folder, flush, fsync, rename, fsync the folder.
+
+    Example:
+        >>> import tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "x")
+        >>> write_atomic(b"hello", p)
+        >>> open(p, "rb").read()
+        b'hello'
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint file in ``ckpt_dir``, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(
+        (int(m.group(1)), os.path.join(ckpt_dir, n))
+        for n in os.listdir(ckpt_dir)
+        if (m := NAME.match(n))
+    )
+
+
+def read_checkpoint(path: str, map_location: str | torch.device | None = None) -> dict:
+    """Read and verify one checkpoint file (see :func:`decode`)."""
+    with open(path, "rb") as f:
+        return decode(f.read(), map_location)
+
+
+def newest_valid(
+    ckpt_dir: str, report: Callable[[str], None] = print
+) -> tuple[str | None, list[str]]:
+    """The newest checkpoint in ``ckpt_dir`` whose checksum verifies.
+
+    Each newer file that fails is reported in one line through ``report``, naming the file
+    used instead.
+
+    Returns:
+        ``(path or None, paths of the corrupt files skipped)``.
+    """
+    chosen, bad = None, []
+    for _, path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            read_checkpoint(path, map_location="cpu")
+            chosen = path
+            break
+        except (CorruptCheckpoint, OSError) as err:
+            bad.append((path, err))
+    instead = os.path.basename(chosen) if chosen else "none left, starting from scratch"
+    for path, err in bad:
+        report(f"checkpoint {os.path.basename(path)} is corrupt ({err}); using {instead}")
+    return chosen, [p for p, _ in bad]
+
+
+def prune(ckpt_dir: str, keep_last: int, keep: set[str] = frozenset()) -> list[str]:
+    """Delete all but the newest ``keep_last`` checkpoints, except the paths in ``keep``.
+
+    Returns:
+        The deleted paths.
+    """
+    found = [p for _, p in list_checkpoints(ckpt_dir)]
+    doomed = [p for p in found[: max(0, len(found) - keep_last)] if p not in keep]
+    for path in doomed:
+        os.remove(path)
+    return doomed
+
+
+def rng_state() -> dict:
+    """This process's random number generator states (torch CPU, CUDA when present, Python).
+
+    Example:
+        >>> s = rng_state(); a = torch.rand(1); set_rng_state(s); bool(torch.rand(1) == a)
+        True
+    """
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def gather_rng_states(env: DistEnv) -> list[dict]:
+    """Every rank's :func:`rng_state`, in rank order, on every rank (a collective)."""
+    if not env.distributed:
+        return [rng_state()]
+    states: list = [None] * env.world_size
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+class ResumableSampler(Sampler[int]):
+    """``DistributedSampler(shuffle=True, drop_last=True)``'s order, able to start mid-epoch.
+
+    Epoch ``e`` shuffles all indices with ``seed + e`` (exactly as ``DistributedSampler``);
+    rank ``r`` of ``W`` reads every ``W``-th index of that order, starting at global position
+    ``start + r``, and every rank gets the same count. With ``start = 0`` this equals
+    ``DistributedSampler``; after ``k`` steps of global batch ``G`` the first ``k * G``
+    positions have been read, at any world size, so ``start = k * G`` resumes the epoch,
+    also on another number of ranks.
+
+    Example:
+        >>> s = ResumableSampler(10, world_size=2, rank=1, seed=0)
+        >>> s.set_epoch(0, start=4)
+        >>> len(s), list(s) == ResumableSampler.order(10, 0, 0)[5::2][:3]
+        (3, True)
+    """
+
+    def __init__(self, size: int, world_size: int, rank: int, seed: int = 0) -> None:
+        self.size, self.world_size, self.rank, self.seed = size, world_size, rank, seed
+        self.epoch = self.start = 0
+
+    @staticmethod
+    def order(size: int, seed: int, epoch: int) -> list[int]:
+        """The global order of epoch ``epoch`` (``DistributedSampler``'s permutation)."""
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        return torch.randperm(size, generator=g).tolist()
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Read epoch ``epoch`` from global position ``start`` (0: the whole epoch)."""
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(0, self.size - self.start) // self.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order(self.size, self.seed, self.epoch)
+        end = self.start + len(self) * self.world_size
+        return iter(order[self.start + self.rank : end : self.world_size])
+
+
+class Checkpoints:
+    """The trainer's checkpoints in ``ckpt_dir``: save (rank 0, atomic, then a barrier),
+    load the newest valid one (every rank, ``map_location`` to its device), prune to
+    ``keep_last``, and keep the best one by validation accuracy for a rollback.
+
+    Args:
+        ckpt_dir: the folder (created by rank 0; shared by all ranks of the job).
+        env: this process's :class:`~ddp_lab.dist.DistEnv`.
+        keep_last: how many of the newest checkpoints stay (the best one stays too).
+    """
+
+    def __init__(self, ckpt_dir: str, env: DistEnv, keep_last: int) -> None:
+        self.dir, self.env, self.keep_last = ckpt_dir, env, keep_last
+        #: ``{"step", "accuracy", "path"}`` of the best checkpoint so far, or ``None``.
+        self.best: dict | None = None
+        if env.is_rank0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+
+    def save(self, step: int, state: dict, accuracy: float | None = None) -> dict:
+        """Write ``state`` (plus every rank's RNG states and the best-so-far) as the
+        checkpoint of ``step``. A collective: every rank calls it.
+
+        Args:
+            step: the optimizer steps done.
+            state: what to save (model, optimizer, ... : see ``ddp_lab.train``).
+            accuracy: validation accuracy of these weights, when measured (for rollback).
+
+        Returns:
+            ``{"path", "bytes", "seconds"}`` (bytes and seconds on rank 0; 0 elsewhere).
+        """
+        rng = gather_rng_states(self.env)  # every rank's generators, on rank 0 too
+        path = os.path.join(self.dir, checkpoint_name(step))
+        if accuracy is not None and (self.best is None or accuracy > self.best["accuracy"]):
+            self.best = {"step": step, "accuracy": accuracy, "path": path}
+        info = {"path": path, "bytes": 0, "seconds": 0.0}
+        if self.env.is_rank0:
+            t0 = time.perf_counter()
+            data = encode({**state, "rng": rng, "accuracy": accuracy, "best": self.best})
+            write_atomic(data, path)
+            keep = {self.best["path"]} if self.best else set()
+            prune(self.dir, self.keep_last, keep)
+            info.update(bytes=len(data), seconds=time.perf_counter() - t0)
+        if self.env.distributed:
+            dist.barrier()  # nobody runs ahead of a checkpoint that may not exist yet
+        return info
+
+    def load_latest(self) -> dict | None:
+        """The newest valid checkpoint, read by every rank onto its device (``None`` when
+        there is none). Rank 0 picks the file (reporting corrupt ones in one line each) and
+        tells the others. Restores this rank's RNG states and the best-so-far."""
+        choice = [None]
+        if self.env.is_rank0:
+            choice[0] = newest_valid(self.dir, report=self._report)[0]
+        if self.env.distributed:
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        state = read_checkpoint(choice[0], map_location=self.env.device)
+        rng = state["rng"]
+        set_rng_state(rng[self.env.rank] if self.env.rank < len(rng) else rng[0])
+        self.best = state.get("best")
+        state["path"] = choice[0]
+        return state
+
+    def load_best(self) -> dict:
+        """The best checkpoint's state (onto this rank's device).
+
+        Raises:
+            CorruptCheckpoint: when there is no best checkpoint, or it cannot be read.
+        """
+        if self.best is None:
+            raise CorruptCheckpoint("no checkpoint with a validation accuracy yet")
+        return read_checkpoint(self.best["path"], map_location=self.env.device)
+
+    def dropped(self, accuracy: float, drop_points: float) -> bool:
+        """True when ``accuracy`` is more than ``drop_points`` percentage points below the
+        best checkpoint's (the seeds' rule: restore the best one then)."""
+        return self.best is not None and 100 * (self.best["accuracy"] - accuracy) > drop_points
+
+    def _report(self, line: str) -> None:
+        print0(f"ddp_lab.checkpoint: {line}", env=self.env, file=sys.stderr)
