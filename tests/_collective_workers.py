@@ -1,10 +1,14 @@
 """Worker processes for ``test_collectives.py``: one gloo process group runs every case.
 
-The test spawns ``world_size`` processes (``multiprocessing`` spawn context) with
-:func:`worker_main` as target. Spawn pickles the target by module and name, so this module
-must be importable in the child: the parent puts ``tests/`` on ``sys.path`` and spawn copies
-the parent's ``sys.path`` into the child. This module adds the repository root itself, so
+The test starts ``world_size`` processes with ``_harness.spawn_gloo`` (``multiprocessing``
+spawn context, the group joined through a ``file://`` store: no port), each calling
+:func:`worker_main`. Spawn pickles the target by module and name, so this module must be
+importable in the child: the parent puts ``tests/`` on ``sys.path`` and spawn copies the
+parent's ``sys.path`` into the child. This module adds the repository root itself, so
 ``ddp_lab`` imports whatever the working directory.
+
+The collectives under test are lab 2's reference answers (``ddp_lab.answers.lab02``) and the
+runtime's bandwidth tool (``ddp_lab.bandwidth``).
 
 Each rank writes ``rank<r>.pt`` (a dict of results) into the output folder, or ``rank<r>.err``
 (the traceback) and exits non-zero; the parent asserts on the files.
@@ -12,7 +16,6 @@ Each rank writes ``rank<r>.pt`` (a dict of results) into the output folder, or `
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import traceback
@@ -25,16 +28,13 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ddp_lab.collectives import (  # noqa: E402
-    measure_all_reduce,
+from ddp_lab.answers.lab02.references import (  # noqa: E402
     parameter_server_average,
     ring_all_gather,
     ring_all_reduce,
     ring_chunks,
 )
-
-#: How long one collective may wait before the worker fails instead of hanging.
-PG_TIMEOUT_S = 60
+from ddp_lab.bandwidth import measure_all_reduce  # noqa: E402
 
 
 def broken_ring_skip_step(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -114,18 +114,12 @@ def run_cases(rank: int, world_size: int, cases: list[tuple]) -> dict:
     return out
 
 
-def worker_main(rank: int, world_size: int, port: int, out_dir: str, cases: list[tuple]) -> None:
-    """Join a gloo group on ``127.0.0.1:port``, run :func:`run_cases`, save the results."""
+def worker_main(rank: int, world_size: int, out_dir: str, cases: list[tuple]) -> None:
+    """In a joined gloo group (``_harness.spawn_gloo``): run :func:`run_cases`, save the
+    results; on any error write ``rank<r>.err`` and exit at once with status 1."""
     torch.set_num_threads(1)
     out = Path(out_dir)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-        )
         results = run_cases(rank, world_size, cases)
         dist.barrier()
         torch.save(results, out / f"rank{rank}.pt")
@@ -134,6 +128,3 @@ def worker_main(rank: int, world_size: int, port: int, out_dir: str, cases: list
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

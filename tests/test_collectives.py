@@ -1,17 +1,17 @@
-"""The hand-written collectives of lab02 equal torch's, and the cost model fits its own data.
+"""Lab 2's reference collectives equal torch's, the cost model fits its own data, and the
+runtime's bandwidth tool times any collective.
 
-Distributed cases run in real gloo process groups of 2 and 3 processes, started once per world
-size (a module-scoped fixture) with the ``multiprocessing`` spawn context; the workers live in
-``tests/_collective_workers.py`` and save their differences to files that the tests read.
+The references live in the instructor's part (``ddp_lab.answers.lab02.references``), the
+timing tool in the runtime (``ddp_lab.bandwidth``). Distributed cases run in real gloo
+process groups of 2 and 3 processes, started once per world size (a module-scoped fixture)
+with ``_harness.spawn_gloo`` (no port); the workers live in ``tests/_collective_workers.py``
+and save their differences to files that the tests read.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import socket
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +23,9 @@ if _TESTS_DIR not in sys.path:  # spawn copies sys.path into the children: they 
     sys.path.insert(0, _TESTS_DIR)
 
 import _collective_workers as workers  # noqa: E402
+from _harness import spawn_gloo  # noqa: E402
 
-from ddp_lab.collectives import (  # noqa: E402
+from ddp_lab.answers.lab02.references import (  # noqa: E402
     fit_alpha_beta,
     parameter_server_average,
     ring_all_reduce,
@@ -32,6 +33,7 @@ from ddp_lab.collectives import (  # noqa: E402
     ring_owned_chunk,
     ring_schedule,
 )
+from ddp_lab.bandwidth import measure_all_reduce  # noqa: E402
 
 WORLD_SIZES = [2, 3]
 #: Lengths not divisible by 2 or 3, and shorter than the world size; two 2-D shapes.
@@ -46,47 +48,13 @@ GROUP_TIMEOUT_S = 90
 TEST_TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(world_size: int, out_dir: Path) -> list[dict]:
     """Spawn ``world_size`` workers, wait (bounded), kill stragglers, return each rank's dict."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at start()
-    procs = [
-        ctx.Process(
-            target=workers.worker_main,
-            args=(rank, world_size, port, str(out_dir), CASES),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + GROUP_TIMEOUT_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        spawn_gloo(workers.worker_main, world_size, str(out_dir), CASES, timeout=GROUP_TIMEOUT_S)
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-        for p in procs:
-            if p.pid is None:  # never started
-                continue
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    errors = sorted(out_dir.glob("rank*.err"))
-    assert not errors, "\n".join(e.read_text() for e in errors)
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world_size, f"worker exit codes {codes} (None/-9: killed on timeout)"
+        errors = sorted(out_dir.glob("rank*.err"))
+        assert not errors, "\n".join(e.read_text() for e in errors)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -232,3 +200,9 @@ def test_fit_alpha_beta_recovers_parameters_from_noisy_times_with_relative_error
 def test_fit_alpha_beta_rejects_unusable_input(sizes, seconds, world_size, message):
     with pytest.raises(ValueError, match=message):
         fit_alpha_beta(sizes, seconds, world_size)
+
+
+@pytest.mark.timeout(10)
+def test_measure_all_reduce_says_it_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        measure_all_reduce([64], repeats=1)

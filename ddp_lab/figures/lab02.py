@@ -22,7 +22,6 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from ddp_lab.collectives import ring_allreduce_time, ring_schedule
 from ddp_lab.figures.style import COLORS
 from ddp_lab.figures.style import done as _done
 
@@ -34,6 +33,16 @@ CAPTIONS = {
     "all_gather": "all_gather(parts, t): everyone gets every tensor",
     "reduce_scatter": "reduce_scatter(out, chunks): rank r gets the sum of chunk r",
 }
+
+#: The messages of a ring all-reduce on 3 ranks, step by step: ``(src, dst, chunk)``. The
+#: first two steps are the reduce-scatter (the receiver adds), the last two the all-gather
+#: (the receiver overwrites). This is what the picture shows; it is the notebook's text.
+RING_3 = (
+    ((0, 1, 0), (1, 2, 1), (2, 0, 2)),
+    ((0, 1, 2), (1, 2, 0), (2, 0, 1)),
+    ((0, 1, 1), (1, 2, 2), (2, 0, 0)),
+    ((0, 1, 0), (1, 2, 1), (2, 0, 2)),
+)
 
 
 def _cells(ax, y: float, values: Sequence[float], colors: Sequence[str], x0: float = 0.0):
@@ -117,26 +126,35 @@ def collectives(tour: Mapping, ops: Sequence[str] = FOUR) -> Figure:
     return _done(fig)
 
 
-def ring_steps(world_size: int = 3) -> Figure:
+def ring_steps(world_size: int = 3, schedule: Sequence | None = None) -> Figure:
     """The chunks each rank holds before and after every step of a ring all-reduce.
 
     Args:
-        world_size: ranks on the ring (2 to 6 draw well).
+        world_size: ranks on the ring.
+        schedule: the ring's ``2 * (world_size - 1)`` steps, each a list of ``(src, dst,
+            chunk)`` messages, the reduce-scatter first (default: :data:`RING_3`, for 3 ranks).
 
     Returns:
         One panel per state: the start, ``n - 1`` reduce-scatter steps, ``n - 1`` all-gather
         steps. A box lists the ranks whose values the chunk sums; it darkens as the sum
         fills up, and a red edge marks the chunk received in that step.
 
+    Raises:
+        ValueError: no schedule given for another world size than 3.
+
     Example:
         >>> len(ring_steps(3).axes)
         5
     """
     n = world_size
+    if schedule is None:
+        if n != 3:
+            raise ValueError(f"the default schedule is for 3 ranks; give schedule= for {n}")
+        schedule = RING_3
     held = [[{r} for _ in range(n)] for r in range(n)]  # held[rank][chunk]: ranks summed in
     states, received = [[row[:] for row in held]], [set()]
-    for k, step in enumerate(ring_schedule(n)):
-        reduce = k < n - 1
+    for k, step in enumerate(schedule):
+        reduce = k < len(schedule) // 2
         sent = [(dst, chunk, set(held[src][chunk])) for src, dst, chunk in step]
         for dst, chunk, values in sent:
             held[dst][chunk] = held[dst][chunk] | values if reduce else values
@@ -186,9 +204,11 @@ def busiest_link(max_world_size: int = 16) -> Figure:
         1
     """
     n = np.arange(2, max_world_size + 1)
+    server = 2 * (n - 1)  # n - 1 tensors in, n - 1 tensors out
+    ring = 2 - 2 / n  # n - 1 chunks of S/n in each of the two phases
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    ax.plot(n, 2 * (n - 1), "o-", color=COLORS[3], label="parameter server: 2(n-1) S")
-    ax.plot(n, 2 * (n - 1) / n, "o-", color=COLORS[2], label="ring: 2(n-1)/n S")
+    ax.plot(n, server, "o-", color=COLORS[3], label="parameter server: 2(n-1) S")
+    ax.plot(n, ring, "o-", color=COLORS[2], label="ring: 2(n-1)/n S")
     ax.set_xlabel("ranks n")
     ax.set_ylabel("bytes through the busiest link / S")
     ax.set_yscale("log")
@@ -198,7 +218,7 @@ def busiest_link(max_world_size: int = 16) -> Figure:
 
 
 def model_scaling(
-    time_fn: Callable = ring_allreduce_time,
+    time_fn: Callable,
     alpha: float = 20e-6,
     bandwidth: float = 10e9,
     sizes: Sequence[float] = (1e3, 1e6, 1e9),
@@ -207,7 +227,7 @@ def model_scaling(
     """The alpha-beta model's all-reduce time for several message sizes, against ``n``.
 
     Args:
-        time_fn: ``time_fn(size_bytes, world_size, alpha, bandwidth)``, e.g. your ``ring_time``.
+        time_fn: ``time_fn(size_bytes, world_size, alpha, bandwidth)``: your ``ring_time``.
         alpha, bandwidth: the model's latency (s) and bandwidth (bytes/s).
         sizes: message sizes in bytes, one line each.
         max_world_size: the largest ``n`` drawn.
@@ -217,7 +237,9 @@ def model_scaling(
         ones level off below 2x.
 
     Example:
-        >>> len(model_scaling().axes)
+        >>> def toy(size, n, alpha, bandwidth):  # any model; the notebook passes ring_time
+        ...     return n * alpha + size / bandwidth
+        >>> len(model_scaling(toy).axes)
         1
     """
     n = np.unique(np.geomspace(2, max_world_size, 12).astype(int))
@@ -250,7 +272,7 @@ def bandwidth_sweep(
     world_size: int,
     alpha: float,
     bandwidth: float,
-    time_fn: Callable = ring_allreduce_time,
+    time_fn: Callable,
     title: str = "all_reduce, gloo on this CPU",
 ) -> Figure:
     """Measured all-reduce times against message size, with the fitted model.
@@ -260,7 +282,7 @@ def bandwidth_sweep(
         seconds: measured time for each size.
         world_size: ranks the times were measured with.
         alpha, bandwidth: the fitted latency (s) and bandwidth (bytes/s).
-        time_fn: the model, ``time_fn(size_bytes, world_size, alpha, bandwidth)`` (e.g. your
+        time_fn: the model, ``time_fn(size_bytes, world_size, alpha, bandwidth)`` (your
             ``ring_time``), drawn as a line.
         title: what was measured, where.
 
@@ -269,8 +291,10 @@ def bandwidth_sweep(
         bandwidth ``2(n - 1)/n * S / T`` with the fitted ``B`` as a dashed line.
 
     Example:
-        >>> s = np.array([1e3, 1e6]); t = ring_allreduce_time(s, 2, 1e-5, 1e9)
-        >>> len(bandwidth_sweep(s, t, 2, 1e-5, 1e9).axes)
+        >>> def toy(size, n, alpha, bandwidth):  # any model; the notebook passes ring_time
+        ...     return n * alpha + size / bandwidth
+        >>> s = np.array([1e3, 1e6]); t = toy(s, 2, 1e-5, 1e9)
+        >>> len(bandwidth_sweep(s, t, 2, 1e-5, 1e9, toy).axes)
         2
     """
     s, t = np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float)
@@ -288,7 +312,7 @@ def bandwidth_sweep(
     ax1.set_ylabel("time (us)")
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3, which="both")
-    busbw = 2 * (n - 1) / n * s / t / 1e9
+    busbw = s / t * (2 - 2 / n) / 1e9  # nccl-tests' bus bandwidth, in GB/s
     ax2.semilogx(s, busbw, "o-", color=COLORS[0], label="measured: 2(n-1)/n S / T")
     tops = [v for v in (*busbw, bandwidth / 1e9) if np.isfinite(v) and v > 0]
     if np.isfinite(bandwidth) and bandwidth > 0:

@@ -1,13 +1,15 @@
-"""Hand-written collectives: a ring all-reduce, a parameter server, and their cost model.
+"""Reference answers of lab 2: a ring all-reduce, a parameter server, and their cost model.
 
-These are the reference implementations of lab02. Both collectives are built from
-point-to-point messages only (``dist.isend`` / ``dist.recv``), so that every byte that moves
-is a line you can point at, and both must agree with ``dist.all_reduce``.
+**Instructor only** (``ddp_lab.answers`` is not in the student kit). What the solutions of
+``solutions/lab02_collectives`` do, written as a small library that the grader's exact
+checks (:mod:`ddp_lab.answers.lab02.hidden`) and the tests use. Both collectives are built
+from point-to-point messages only (``dist.isend`` / ``dist.recv``), so that every byte that
+moves is a line you can point at, and both must agree with ``dist.all_reduce``.
 
-**Ring all-reduce.** The ``n`` ranks sit on a ring; rank ``r`` only ever sends to
-``r + 1`` and receives from ``r - 1`` (mod ``n``). The tensor is flattened and cut into ``n``
-chunks (``torch.tensor_split``: lengths that ``n`` does not divide give chunks of unequal
-length, some empty when the tensor has fewer than ``n`` elements). Then two phases:
+**Ring all-reduce** (exercise 1). The ``n`` ranks sit on a ring; rank ``r`` only ever sends
+to ``r + 1`` and receives from ``r - 1`` (mod ``n``). The tensor is flattened and cut into
+``n`` chunks (``torch.tensor_split``: lengths that ``n`` does not divide give chunks of
+unequal length, some empty when the tensor has fewer than ``n`` elements). Then two phases:
 
 1. *reduce-scatter*, ``n - 1`` steps: at step ``s`` rank ``r`` sends chunk ``(r - s) % n``
    and adds what it receives into chunk ``(r - s - 1) % n``. Afterwards rank ``r`` holds the
@@ -15,22 +17,22 @@ length, some empty when the tensor has fewer than ``n`` elements). Then two phas
 2. *all-gather*, ``n - 1`` steps: at step ``s`` rank ``r`` sends chunk ``(r + 1 - s) % n``
    and overwrites chunk ``(r - s) % n`` with what it receives.
 
-:func:`ring_schedule` lists the same messages as plain Python, for drawing the ring and for
-checking a schedule without starting processes.
+:func:`ring_schedule` lists the same messages as plain Python, for checking a schedule (and
+simulating a ring in the tests) without starting processes.
 
-**Alpha-beta model.** Each of the ``2(n - 1)`` steps pays a latency ``alpha`` and moves
-``S / n`` bytes at bandwidth ``B``, so a ring all-reduce of ``S`` bytes takes
-``2(n - 1)/n * S/B + 2(n - 1) * alpha`` (:func:`ring_allreduce_time`).
-:func:`measure_all_reduce` times a collective over message sizes inside a distributed job and
-:func:`fit_alpha_beta` recovers ``alpha`` and ``B`` from those times.
+**Parameter server** (exercise 2): :func:`parameter_server_average`.
+
+**Alpha-beta model** (exercises 3 and 4). Each of the ``2(n - 1)`` steps pays a latency
+``alpha`` and moves ``S / n`` bytes at bandwidth ``B``, so a ring all-reduce of ``S`` bytes
+takes ``2(n - 1)/n * S/B + 2(n - 1) * alpha`` (:func:`ring_allreduce_time`);
+:func:`fit_alpha_beta` recovers ``alpha`` and ``B`` from measured times. Measuring them is
+runtime, not an answer: :func:`ddp_lab.bandwidth.measure_all_reduce`.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -339,72 +341,6 @@ def fit_alpha_beta(
     return float(alpha), float(bandwidth)
 
 
-def measure_all_reduce(
-    sizes_bytes: Sequence[int],
-    repeats: int = 10,
-    fn: Callable[..., object] = dist.all_reduce,
-    *,
-    warmup: int = 2,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    group=None,
-) -> list[float]:
-    """Time an all-reduce over message sizes; call it on every rank of a running job.
-
-    For each size, ``fn`` runs ``warmup`` times untimed, then ``repeats`` times, each after a
-    barrier so that all ranks start together. A repeat's time is the slowest rank's (the
-    collective is not done until every rank is), and the median over repeats is reported.
-
-    Args:
-        sizes_bytes: message sizes in bytes; each becomes ``max(1, size // itemsize)``
-            elements of ``dtype``.
-        repeats: timed calls per size.
-        fn: the collective, called as ``fn(tensor)`` (or ``fn(tensor, group=group)``), e.g.
-            ``dist.all_reduce`` or :func:`ring_all_reduce`.
-        warmup: untimed calls per size first (connection set-up, allocator, caches).
-        dtype: element type of the message.
-        device: where the message lives (``"cuda:<local_rank>"`` with NCCL).
-        group: the process group (default: the whole job).
-
-    Returns:
-        Median seconds per size, the same list on every rank.
-
-    Raises:
-        RuntimeError: when no process group is initialised (not under torchrun).
-        ValueError: when ``repeats < 1`` or ``warmup < 0``.
-
-    Example:
-        >>> # inside a torchrun worker, after ddp_lab.dist.setup()
-        >>> measure_all_reduce([1 << 10, 1 << 20], repeats=5)  # doctest: +SKIP
-        [0.00011, 0.0021]
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "measure_all_reduce needs a process group: call it inside a torchrun worker "
-            "after ddp_lab.dist.setup() (or dist.init_process_group)"
-        )
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    device = torch.device(device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    kwargs = {} if group is None else {"group": group}
-    times = torch.zeros(len(sizes_bytes), repeats, dtype=torch.float64)
-    for i, size in enumerate(sizes_bytes):
-        message = torch.zeros(max(1, int(size) // itemsize), dtype=dtype, device=device)
-        for _ in range(warmup):
-            fn(message, **kwargs)
-        _synchronize(device)
-        for j in range(repeats):
-            dist.barrier(**kwargs)
-            start = time.perf_counter()
-            fn(message, **kwargs)
-            _synchronize(device)
-            times[i, j] = time.perf_counter() - start
-    slowest = times.to(device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, **kwargs)
-    return [statistics.median(row) for row in slowest.cpu().tolist()]
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -439,8 +375,3 @@ def _exchange(
     if request is not None:
         request.wait()
     return received
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,10 +1,13 @@
-"""Typical mistakes of lab 2 (see tests/mistakes.py).
+"""Typical mistakes of lab 2 (instructor only), for the tests and the sample class.
 
-Each source replaces a whole solution cell (``%%writefile`` line included), so it is also a
-complete wrong answer that ``tests/test_lab02.py`` runs through the checks.
+Each source replaces a whole solution cell (``%%writefile`` line included), as a student
+would write it. ``MISTAKES`` lists, per exercise, the sample class's typical mistake first;
+``reason`` is a fragment of the grader's message that proves the diagnosis.
 """
 
-LAB = "lab02_collectives"
+from __future__ import annotations
+
+from ddp_lab.answers import Mistake
 
 _RING_HEAD = """%%writefile ring.py
 import torch
@@ -61,9 +64,9 @@ RING_CALLS_ALL_REDUCE = (
 """
 )
 
-#: A "solution" that hands the work to the grader's own reference.
-RING_IMPORTS_REFERENCE = """%%writefile ring.py
-from ddp_lab.collectives import ring_all_reduce as reference
+#: A "solution" that hands the work to the course's own answer.
+RING_IMPORTS_THE_ANSWER = """%%writefile ring.py
+from ddp_lab.answers.lab02.references import ring_all_reduce as reference
 
 
 def ring_all_reduce(tensor):
@@ -91,6 +94,25 @@ def parameter_server_average(tensor):
     return tensor
 """
 
+#: The server computes the average and keeps it: the workers never get it back.
+PS_NEVER_SENDS_BACK = """%%writefile ps.py
+import torch
+import torch.distributed as dist
+
+
+def parameter_server_average(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for worker in range(1, n):
+            dist.recv(incoming, src=worker)
+            tensor += incoming
+        tensor /= n
+    else:
+        dist.send(tensor, dst=0)  # BUG: and then? the average never comes back
+    return tensor
+"""
+
 #: The bandwidth term without its factor 2(n - 1)/n.
 RING_TIME_NO_FACTOR = """import numpy as np
 
@@ -98,6 +120,25 @@ RING_TIME_NO_FACTOR = """import numpy as np
 def ring_time(size_bytes, world_size, alpha, bandwidth):
     n = world_size
     return 2 * (n - 1) * alpha + size_bytes / bandwidth
+"""
+
+#: The latency paid once instead of in each of the 2(n - 1) steps.
+RING_TIME_ALPHA_ONCE = """import numpy as np
+
+
+def ring_time(size_bytes, world_size, alpha, bandwidth):
+    n = world_size
+    if n == 1:
+        return 0 * np.asarray(size_bytes, dtype=float)
+    return alpha + 2 * (n - 1) / n * size_bytes / bandwidth
+"""
+
+#: The course's answer imported instead of written.
+RING_TIME_IMPORTS_THE_ANSWER = """import ddp_lab.answers.lab02.references as c
+
+
+def ring_time(size_bytes, world_size, alpha, bandwidth):
+    return c.ring_allreduce_time(size_bytes, world_size, alpha, bandwidth)
 """
 
 #: The fit's bandwidth column without the factor 2(n - 1)/n: B comes out n / (2(n - 1)) too small.
@@ -122,18 +163,52 @@ def fit_alpha_beta(sizes, seconds, world_size):
     return float(alpha), float(1 / inverse_bandwidth)
 """
 
-MISTAKES = {
-    "ex1_ring_all_reduce": RING_SKIPS_A_STEP,
-    "ex2_parameter_server": PS_FORGETS_TO_DIVIDE,
-    "ex3_ring_time": RING_TIME_NO_FACTOR,
-    "ex4_fit_alpha_beta": FIT_NO_FACTOR,
-}
+MISTAKES = [
+    Mistake("ex1_ring_all_reduce", "typical", RING_SKIPS_A_STEP, "skips a step"),
+    Mistake(
+        "ex1_ring_all_reduce",
+        "calls all_reduce",
+        RING_CALLS_ALL_REDUCE,
+        "torch.distributed.all_reduce is not allowed",
+    ),
+    Mistake(
+        "ex1_ring_all_reduce", "imports the answer", RING_IMPORTS_THE_ANSWER, "uses ddp_lab.answers"
+    ),
+    Mistake(
+        "ex2_parameter_server",
+        "typical",
+        PS_FORGETS_TO_DIVIDE,
+        "divide by the world size",
+    ),
+    Mistake(
+        "ex2_parameter_server",
+        "never sends back",
+        PS_NEVER_SENDS_BACK,
+        "the server must send the average back",
+    ),
+    Mistake("ex3_ring_time", "typical", RING_TIME_NO_FACTOR, "factor 2(n - 1)/n"),
+    Mistake(
+        "ex3_ring_time",
+        "alpha once",
+        RING_TIME_ALPHA_ONCE,
+        "every one of the 2(n - 1) steps pays alpha",
+    ),
+    Mistake(
+        "ex3_ring_time",
+        "imports the answer",
+        RING_TIME_IMPORTS_THE_ANSWER,
+        "uses ddp_lab.answers",
+    ),
+    Mistake("ex4_fit_alpha_beta", "typical", FIT_NO_FACTOR, "factor 2(n - 1)/n"),
+    Mistake("ex4_fit_alpha_beta", "absolute errors", FIT_ABSOLUTE, "absolute errors"),
+]
 
+#: A deadlocking solution (the sample class's ``hang`` student) and the test cells it costs.
 HANGS = {"ex1_ring_all_reduce": RING_RECV_FIRST}
 HANG_LOSES = ["test_ex1_ring_all_reduce"]
 
-#: What a cheater writes by hand: the result files the lab's cells read, and a ring.py that
-#: sits next to a notebook whose own cell still raises NotImplementedError.
+#: What a cheater writes by hand: a result file, and a ring.py / ps.py that sit next to a
+#: notebook whose own cells still hold the stubs (the grader writes the cells' files itself).
 FORGED_FILES = {
     "result.json": '{"world_size": 3, "ranks": []}',
     "ring.py": (
