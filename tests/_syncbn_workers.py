@@ -1,14 +1,13 @@
 """Cases and spawned workers for ``tests/test_syncbn.py``.
 
 They live in their own top-level module so that ``torch.multiprocessing`` (start method
-"spawn") can import them in the child processes. The test and the workers build the same
-data from the same seeds, so that the test can rebuild the global batch and compare.
+"spawn", through ``_harness.spawn_gloo``) can import them in the child processes. The test
+and the workers build the same data from the same seeds, so that the test can rebuild the
+global batch and compare.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,21 +175,24 @@ def _run_ddp_cnn(rank: int, world_size: int) -> dict:
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
-def run_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """Spawned entry point: run every case on this rank and save the results."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def _mismatch_error(rank: int) -> str:
+    """What every rank hears when the ranks' inputs differ beyond the batch dimension (rank 0
+    holds 4x4 images, the others 3x3): the same error everywhere, and no rank left waiting."""
+    side = 4 if rank == 0 else 3
+    bn = SyncBatchNorm(CHANNELS)
     try:
-        results = {name: _run_case(rank, case) for name, case in cases(world_size).items()}
-        results["ddp_cnn"] = _run_ddp_cnn(rank, world_size)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        bn(torch.randn(2, CHANNELS, side, side))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def run_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """Spawned entry point (``_harness.spawn_gloo``, the gloo group joined already): run every
+    case on this rank and save the results."""
+    torch.set_num_threads(1)
+    results = {name: _run_case(rank, case) for name, case in cases(world_size).items()}
+    results["ddp_cnn"] = _run_ddp_cnn(rank, world_size)
+    results["mismatch_error"] = _mismatch_error(rank)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()

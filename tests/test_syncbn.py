@@ -9,73 +9,27 @@ bias gradients (summed over ranks), running stats and eval output with a plain
 from __future__ import annotations
 
 import copy
-import importlib
-import socket
-import sys
-import time
-from pathlib import Path
 
+import _syncbn_workers as workers
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _harness import spawn_gloo
 from torch import nn
 
 from ddp_lab.models import SmallCNN
 from ddp_lab.syncbn import (
     SyncBatchNorm,
-    SyncBatchNormFunction,
-    all_reduce_packed,
-    batchnorm_input_grad,
     convert_sync_batchnorm,
     convert_sync_batchnorm_auto,
-    global_mean_var,
-    local_grad_sums,
-    local_moments,
+    sync_batch_norm,
 )
-
-# The workers must be importable by name in spawned children, which inherit sys.path.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-workers = importlib.import_module("_syncbn_workers")
 
 #: Largest allowed max-abs difference from the single-process reference, per dtype.
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CASE_NAMES = list(workers.cases(2))
 SPAWN_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world_size: int, out_dir: Path) -> None:
-    """Run ``workers.run_worker`` on ``world_size`` processes; leave none behind."""
-    ctx = mp.start_processes(
-        workers.run_worker,
-        args=(world_size, _free_port(), str(out_dir)),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"syncbn workers did not finish in {SPAWN_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in ctx.processes:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"world{ws}")
@@ -85,7 +39,7 @@ def spawned(request, tmp_path_factory) -> tuple[int, list[dict]]:
     out_dir = tmp_path_factory.mktemp(f"syncbn_world{world_size}")
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the children
-        _spawn(world_size, out_dir)
+        spawn_gloo(workers.run_worker, world_size, str(out_dir), timeout=SPAWN_TIMEOUT_S)
     return world_size, [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -205,70 +159,16 @@ def test_averaging_per_rank_statistics_would_be_caught(world_size):
     assert unsynced.abs().max().item() > 1e-3
 
 
-# ------------------------------------------------- the pieces students implement, one process
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_summed_local_moments_give_global_mean_and_biased_var(world_size):
-    case = workers.cases(world_size)["image_float64_empty_rank"]
-    x = workers.make_data(case)["x"][0]
-    moments = [local_moments(s) for s in x.split(list(case.sizes))]
-    total = [sum(m[i] for m in moments) for i in range(3)]  # what the all_reduce computes
-    mean, var = global_mean_var(*total)
-    ref_var, ref_mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
-    assert total[2].item() == x.numel() // x.size(1)
-    assert _max_diff(mean, ref_mean) <= 1e-12
-    assert _max_diff(var, ref_var) <= 1e-12
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_input_grad_from_summed_local_grad_sums_matches_autograd(world_size):
-    case = workers.cases(world_size)["image_float64"]
-    data = workers.make_data(case)
-    x, dy, w = data["x"][0], data["dy"][0], data["weight"]
-    xr = x.clone().requires_grad_(True)
-    (F.batch_norm(xr, None, None, w, data["bias"], training=True, eps=1e-5) * dy).sum().backward()
-
-    mean, var = global_mean_var(*local_moments(x))
-    invstd = (var + 1e-5).rsqrt()
-    x_hat = (x - mean.reshape(1, -1, 1, 1)) * invstd.reshape(1, -1, 1, 1)
-    sizes = list(case.sizes)
-    sums = [local_grad_sums(d, h) for d, h in zip(dy.split(sizes), x_hat.split(sizes), strict=True)]
-    sum_dy, sum_dy_xhat = (sum(s[i] for s in sums) for i in range(2))
-    grads = [
-        batchnorm_input_grad(d, h, invstd, w, sum_dy, sum_dy_xhat, x.numel() // x.size(1))
-        for d, h in zip(dy.split(sizes), x_hat.split(sizes), strict=True)
-    ]
-    assert _max_diff(torch.cat(grads), xr.grad) <= 1e-12
-
-
-@pytest.mark.timeout(120)
-def test_all_reduce_packed_is_identity_without_process_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is initialised in this process")
-    a, b = torch.arange(6.0).reshape(2, 3), torch.tensor(7.0)
-    ra, rb = all_reduce_packed([a, b])
-    assert torch.equal(ra, a) and torch.equal(rb, b)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("training", [True, False])
-def test_syncbn_function_gradcheck_single_process(training):
-    torch.manual_seed(0)
-    x = torch.randn(5, 3, 2, 2, dtype=torch.float64, requires_grad=True)
-    w = (1 + 0.3 * torch.randn(3, dtype=torch.float64)).requires_grad_(True)
-    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    rm, rv = torch.randn(3, dtype=torch.float64), 1 + torch.rand(3, dtype=torch.float64)
-
-    def fn(x, w, b):
-        # momentum 0: running stats stay put, so repeated calls see the same function
-        return SyncBatchNormFunction.apply(x, w, b, rm, rv, 1e-5, 0.0, None, training)
-
-    assert torch.autograd.gradcheck(fn, (x, w, b))
-    ref = F.batch_norm(x, rm.clone(), rv.clone(), w, b, training=training, momentum=0.0)
-    assert _max_diff(fn(x, w, b), ref) <= 1e-12
+def test_inputs_that_differ_beyond_the_batch_dimension_fail_on_every_rank(spawned):
+    """Ranks with 4x4 and 3x3 images cannot be one batch: every rank raises the same clear
+    error (none waits for the others in a collective that never comes)."""
+    _, results = spawned
+    errors = {r["mismatch_error"] for r in results}
+    assert len(errors) == 1, errors
+    message = errors.pop()
+    assert "must share every dimension but the batch dimension" in message, message
+    assert "[2, 3, 4, 4]" in message and "[2, 3, 3, 3]" in message, message
 
 
 # -------------------------------------------------------------------- world size 1: exact
@@ -306,6 +206,35 @@ def test_syncbn_without_process_group_equals_batchnorm_exactly(shape, momentum):
     ours = SyncBatchNorm(3, momentum=momentum)
     ours.load_state_dict(ref.state_dict())
     _steps_equal(ours, ref, shape)
+
+
+@pytest.mark.timeout(120)
+def test_synchronising_path_in_world_of_one_is_batchnorm_with_its_gradients():
+    """sync_batch_norm (gather, F.batch_norm on the gathered batch, own rows) in a world of one:
+    BatchNorm's output and running stats, and gradcheck passes through the gather."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(5, 3, 2, 2, dtype=torch.float64, requires_grad=True)
+        w = (1 + 0.3 * torch.randn(3, dtype=torch.float64)).requires_grad_(True)
+        b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        rm, rv = torch.randn(3, dtype=torch.float64), 1 + torch.rand(3, dtype=torch.float64)
+        ours_rm, ours_rv = rm.clone(), rv.clone()
+        y = sync_batch_norm(x, ours_rm, ours_rv, w, b, 0.1, 1e-5)
+        ref = F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.1)
+        assert _max_diff(y, ref) <= 1e-12
+        assert _max_diff(ours_rm, rm) <= 1e-12 and _max_diff(ours_rv, rv) <= 1e-12
+
+        def fn(x, w, b):
+            return sync_batch_norm(x, None, None, w, b, 0.1, 1e-5)
+
+        assert torch.autograd.gradcheck(fn, (x, w, b))
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            sync_batch_norm(torch.randn(1, 3), None, None, None, None, 0.1, 1e-5)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
