@@ -1,4 +1,9 @@
-"""Exact distributed evaluation: N processes report the single-process accuracy and loss."""
+"""Exact distributed evaluation: N processes report the single-process accuracy and loss.
+
+``ddp_lab.data.evaluate`` reads through ``DistributedSampler(shuffle=False, drop_last=False)``
+and masks the padding repeats out by their position; these tests prove that every sample
+still counts exactly once, with real gloo groups and, cheaply, rank by rank in one process.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import pytest
 import torch
 from _dist_workers import evaluate_worker
 from _harness import spawn_gloo
+from torch.utils.data import TensorDataset
 
+from ddp_lab import data as data_mod
 from ddp_lab.data import SyntheticCIFAR, evaluate
 from ddp_lab.dist import DistEnv
 from ddp_lab.models import build_model
@@ -28,3 +35,48 @@ def test_distributed_evaluation_equals_single_process(tmp_path, world_size):
         assert got["samples"] == SIZE, "a sample was counted twice or not at all"
         assert got["accuracy"] == pytest.approx(single["accuracy"], abs=1e-12)
         assert got["loss"] == pytest.approx(single["loss"], rel=1e-6)
+
+
+def _labelled(size: int) -> TensorDataset:
+    """Inputs whose predicted class is known: sample i is right exactly when i % 3 == 0, and
+    its loss grows with i, so a sample counted twice or left out changes every sum."""
+    x = torch.arange(size, dtype=torch.float32).unsqueeze(1)
+    y = torch.where(torch.arange(size) % 3 == 0, 0, 1)
+    return TensorDataset(x, y)
+
+
+class _FirstClass(torch.nn.Module):
+    """Always predicts class 0, more confidently for larger inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x / 10, torch.zeros_like(x)], dim=1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [1, 2, 7, 11, 101])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_the_ranks_sums_add_up_to_every_sample_exactly_once(
+    monkeypatch, size, world_size, batch_size
+):
+    """Rank by rank in one process, the sums each rank hands to the all-reduce (hits, real
+    samples, summed loss) add up to one process's, also when a rank reads only padding."""
+    data, model = _labelled(size), _FirstClass()
+    whole = evaluate(model, data, DistEnv(), batch_size)
+    assert whole["samples"] == size
+    assert whole["accuracy"] == pytest.approx(len(range(0, size, 3)) / size, abs=1e-12)
+    handed: list[torch.Tensor] = []
+
+    def record(values, env):
+        handed.append(torch.as_tensor(values, dtype=torch.float64).clone())
+        return torch.ones(3, dtype=torch.float64)  # any nonzero sums: the ranks' are recorded
+
+    monkeypatch.setattr(data_mod, "all_reduce_sum", record)
+    for rank in range(world_size):
+        evaluate(model, data, DistEnv(rank=rank, world_size=world_size), batch_size)
+    hits, samples, loss = torch.stack(handed).sum(0).tolist()
+    counts = [int(h[1]) for h in handed]
+    assert samples == size, f"the ranks counted {counts} samples of {size}"
+    assert max(counts) - min(counts) <= 1
+    assert hits == pytest.approx(whole["accuracy"] * size, abs=1e-9)
+    assert loss == pytest.approx(whole["loss"] * size, rel=1e-6)

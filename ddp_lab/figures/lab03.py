@@ -6,12 +6,12 @@ cell that ends with the call shows it exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
-import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from torch.utils.data import DistributedSampler
 
 from ddp_lab.figures.style import COLORS, GREY
 from ddp_lab.figures.style import arrow as _arrow
@@ -57,17 +57,8 @@ def ddp_step(world_size: int = 2) -> Figure:
         _arrow(ax, (5.95, y + 0.35), (6.3, y + 0.35))
         _arrow(ax, (7.9, y + 0.35), (8.2, y + 0.35))
     terms = " + ".join(f"$g_{r}$" for r in range(n))
-    _box(
-        ax,
-        4.25,
-        -0.05,
-        1.7,
-        n - 0.2,
-        f"all-reduce\n(during backward)\n\ng = ({terms}) / {n}",
-        GREY,
-        alpha=0.2,
-        fontsize=8,
-    )
+    reduce = f"all-reduce\n(during backward)\n\ng = ({terms}) / {n}"
+    _box(ax, 4.25, -0.05, 1.7, n - 0.2, reduce, GREY, alpha=0.2, fontsize=8)
     ax.set_title(
         f"DDP with {n} processes: each computes on its own shard, they only exchange gradients",
         fontsize=10,
@@ -98,16 +89,23 @@ def sampler_shards(
         1
     """
     fig, ax = plt.subplots(figsize=(min(11, 0.42 * n + 1.6), 0.75 * epochs + 1.0))
+    samplers = [
+        DistributedSampler(
+            range(n), num_replicas=world_size, rank=r, shuffle=True, seed=seed, drop_last=True
+        )
+        for r in range(world_size)
+    ]
     for e in range(epochs):
-        gen = torch.Generator().manual_seed(seed + (e if set_epoch else 0))
-        order = torch.randperm(n, generator=gen).tolist()
-        kept = order[: n - n % world_size]
+        step_of = {}  # sample index -> (rank, step)
+        for r, sampler in enumerate(samplers):
+            sampler.set_epoch(e if set_epoch else 0)
+            step_of.update({i: (r, k) for k, i in enumerate(sampler)})
         y = epochs - 1 - e
         for i in range(n):
             color, label = LIGHT, ""
-            if i in kept:
-                pos = kept.index(i)
-                color, label = COLORS[pos % world_size], str(pos // world_size)
+            if i in step_of:
+                r, k = step_of[i]
+                color, label = COLORS[r], str(k)
             ax.add_patch(Rectangle((i, y + 0.1), 0.92, 0.8, facecolor=color, alpha=0.85))
             ax.text(i + 0.46, y + 0.5, label, ha="center", va="center", fontsize=7, color="white")
         ax.text(-0.3, y + 0.5, f"epoch {e}", ha="right", va="center", fontsize=9)
@@ -245,16 +243,8 @@ def my_ddp_timeline(layers: int = 4) -> Figure:
     ax.axis("off")
     ax.set_xlim(-0.2, 2.9 + 2.2 * layers + 1.4)
     ax.set_ylim(0.1, 2.15)
-    _box(
-        ax,
-        0,
-        1.1,
-        1.5,
-        0.7,
-        "MyDDP(model):\nbroadcast rank 0's\nweights + buffers",
-        COLORS[4],
-        fontsize=8,
-    )
+    wrap = "MyDDP(model):\nbroadcast rank 0's\nweights + buffers"
+    _box(ax, 0, 1.1, 1.5, 0.7, wrap, COLORS[4], fontsize=8)
     ax.text(0.75, 0.7, "once", ha="center", fontsize=8, color=GREY)
     _box(ax, 1.8, 1.1, 1.0, 0.7, "forward", COLORS[0], fontsize=8)
     x = 2.9
@@ -326,13 +316,8 @@ def bucket_timeline(timelines: Mapping[str, Mapping]) -> Figure:
                 zorder=3,
                 label="a bucket's all-reduce starts" if i == 0 and k == 0 else None,
             )
-        ax.text(
-            101,
-            y,
-            f" {len(t['buckets'])} bucket(s), backward {1e3 * end:.1f} ms",
-            va="center",
-            fontsize=8,
-        )
+        said = f" {len(t['buckets'])} bucket(s), backward {1e3 * end:.1f} ms"
+        ax.text(101, y, said, va="center", fontsize=8)
     ax.set_yticks(range(len(labels)), list(reversed(labels)))
     ax.set_ylim(-0.6, len(labels) - 0.2)
     ax.set_xlim(0, 135)
@@ -417,26 +402,23 @@ def uneven_steps(steps: Sequence[int] = (6, 5)) -> Figure:
         for s in range(top):
             if s < k:
                 lonely = s >= min(steps)
+                text = f"step {s}\n" + ("waits forever" if lonely else "all-reduce")
+                color = COLORS[3] if lonely else COLORS[r % len(COLORS)]
                 _box(
                     ax,
                     s * 1.2,
                     y,
                     1.0,
                     0.6,
-                    f"step {s}\n" + ("waits forever" if lonely else "all-reduce"),
-                    COLORS[3] if lonely else COLORS[r % len(COLORS)],
+                    text,
+                    color,
                     alpha=0.45 if lonely else 0.25,
                     fontsize=7,
                 )
             else:
+                done = "done: next epoch,\nor exit"
                 ax.text(
-                    s * 1.2 + 0.5,
-                    y + 0.3,
-                    "done: next epoch,\nor exit",
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color=GREY,
+                    s * 1.2 + 0.5, y + 0.3, done, ha="center", va="center", fontsize=7, color=GREY
                 )
     ax.set_xlim(-2.6, top * 1.2 + 0.2)
     ax.set_ylim(-0.2, len(steps))
@@ -461,6 +443,8 @@ def scaling(processes: Sequence[int], samples_per_s: Sequence[float], title: str
 
 
 def lr_schedules(
+    scaled_lr: Callable,
+    warmup_lr: Callable,
     base_lr: float,
     base_batch: int,
     batch_size: int,
@@ -468,32 +452,33 @@ def lr_schedules(
     warmup_steps: int,
     total_steps: int,
 ) -> Figure:
-    """The learning rate over the first steps for several world sizes: scaled, with warm-up.
+    """Your learning rate over the first steps for several world sizes: scaled, with warm-up.
 
     Args:
+        scaled_lr: your ``scaled_lr(base_lr, base_batch, batch_size, world_size)``.
+        warmup_lr: your ``warmup_lr(step, base_lr, peak_lr, warmup_steps)``.
         base_lr: the rate tuned for ``base_batch`` samples a step.
         base_batch: that global batch.
         batch_size: samples per process.
         worlds: process counts to draw.
-        warmup_steps: length of the linear ramp from ``base_lr`` to the scaled rate.
+        warmup_steps: length of the ramp from ``base_lr`` to the scaled rate.
         total_steps: steps drawn.
 
+    Raises:
+        NotImplementedError: your functions are still the stubs.
+
     Example:
-        >>> len(lr_schedules(0.1, 32, 32, [1, 2], 10, 20).axes)
+        >>> flat = lambda base_lr, *args: base_lr
+        >>> len(lr_schedules(flat, lambda s, b, p, w: p, 0.1, 32, 32, [1, 2], 10, 20).axes)
         1
     """
-    from ddp_lab.checks.lab03 import expected_scaled_lr, expected_warmup_lr
-
-    fig, ax = plt.subplots(figsize=(9, 3.0))
     steps = range(total_steps + 1)
-    for k, w in enumerate(worlds):
-        peak = expected_scaled_lr(base_lr, base_batch, batch_size, w)
-        ax.plot(
-            steps,
-            [expected_warmup_lr(s, base_lr, peak, warmup_steps) for s in steps],
-            color=COLORS[k % len(COLORS)],
-            label=f"{w} process(es): global batch {w * batch_size}, lr {peak:g}",
-        )
+    peaks = [scaled_lr(base_lr, base_batch, batch_size, w) for w in worlds]
+    curves = [[warmup_lr(s, base_lr, peak, warmup_steps) for s in steps] for peak in peaks]
+    fig, ax = plt.subplots(figsize=(9, 3.0))
+    for k, (w, peak, curve) in enumerate(zip(worlds, peaks, curves, strict=True)):
+        label = f"{w} process(es): global batch {w * batch_size}, lr {peak:g}"
+        ax.plot(steps, curve, color=COLORS[k % len(COLORS)], label=label)
     ax.axvline(warmup_steps, color=GREY, ls="--", lw=1)
     ax.text(
         warmup_steps,
@@ -505,6 +490,6 @@ def lr_schedules(
     )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
-    ax.set_title("Linear scaling rule with gradual warm-up", fontsize=10)
+    ax.set_title("Your scaled_lr and warmup_lr: linear scaling with gradual warm-up", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return _done(fig)
