@@ -25,15 +25,24 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ddp_lab.dist import DistEnv, print0
+from ddp_lab.errors import UsageError
+
+if TYPE_CHECKING:
+    from ddp_lab.options import Config
 
 MAGIC = b"DDPLAB-CKPT 1 sha256="
 NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+#: Flags a resumed run must share with the run that wrote the checkpoint.
+MUST_MATCH = ("model", "dataset", "train_size", "seed", "amp", "sync_bn", "momentum")
 
 
 class CorruptCheckpoint(Exception):
@@ -316,3 +325,70 @@ class Checkpoints:
 
     def _report(self, line: str) -> None:
         print0(f"ddp_lab.checkpoint: {line}", env=self.env, file=sys.stderr)
+
+
+@dataclass
+class Position:
+    """Where training is: optimizer steps done, the epoch, and the global samples of that
+    epoch already read (the same number at every world size)."""
+
+    step: int = 0
+    epoch: int = 0
+    samples: int = 0
+
+
+def training_state(
+    cfg: Config,
+    env: DistEnv,
+    pos: Position,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    scheduler,
+    loader: torch.utils.data.DataLoader,
+    evals: list[dict],
+) -> dict:
+    """Everything a bit-identical resume needs, as a checkpoint holds it (the RNG states of
+    every rank are added by :meth:`Checkpoints.save`)."""
+    return {
+        "format": 1,
+        "step": pos.step,
+        "epoch": pos.epoch,
+        "epoch_samples": pos.samples,
+        "world_size": env.world_size,
+        "global_batch": cfg.batch_size * env.world_size * cfg.accum_steps,
+        "config": asdict(cfg),
+        "model": getattr(model, "module", model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "loader_generator": loader.generator.get_state(),
+        "evals": evals,
+    }
+
+
+def check_resumable(state: dict, cfg: Config, env: DistEnv, dataset_size: int) -> None:
+    """Refuse a checkpoint written with other essential flags (:data:`MUST_MATCH`), in one
+    line naming them; say so when the number of processes changed (the rest of the epoch
+    is re-sharded).
+
+    Raises:
+        UsageError: the checkpoint's flags differ from ``cfg`` in an essential one.
+    """
+    old = state["config"]
+    diff = [f"--{k.replace('_', '-')} {old[k]} (now {getattr(cfg, k)})" for k in MUST_MATCH]
+    diff = [d for d, k in zip(diff, MUST_MATCH, strict=True) if old[k] != getattr(cfg, k)]
+    if diff:
+        raise UsageError(
+            f"the checkpoint {state['path']} was written with {', '.join(diff)}; resume "
+            "with the same flags, or start afresh with another --ckpt-dir"
+        )
+    if state["world_size"] != env.world_size:
+        left = dataset_size - state["epoch_samples"]
+        print0(
+            f"ddp_lab.train: resuming a {state['world_size']}-process checkpoint on "
+            f"{env.world_size} process(es): {left} remaining samples of epoch "
+            f"{state['epoch']} are re-sharded over the new ranks",
+            env=env,
+            file=sys.stderr,
+        )

@@ -10,6 +10,7 @@ environment so that the same script also runs as plain ``python``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -326,3 +327,34 @@ def ddp_bucket_count(ddp_model: torch.nn.Module) -> int | None:
         return len(reducer._get_zeros_like_grad_buckets())
     except (AttributeError, RuntimeError):
         return None
+
+
+def settle_ddp_buckets(ddp_model: torch.nn.Module, example: torch.Tensor, autocast=None) -> None:
+    """Let DDP build its final gradient buckets now, with a backward pass that changes nothing.
+
+    DDP starts with one bucket in registration order and rebuilds its buckets, after its
+    first backward, in the order the gradients became ready. An uninterrupted run takes step
+    1 on the first layout and every later step on the rebuilt one; a run resumed from a
+    checkpoint would take its first step on the first layout. With 3 or more ranks the
+    ring all-reduce then adds the ranks' gradients in another order (float addition is not
+    associative) and the weights differ in the last bits. One zero-loss forward and
+    backward on ``example`` (buffers restored, gradients dropped; a collective: every rank
+    calls it) records the order, so the resumed run's first step uses the rebuilt layout and
+    stays bit-identical.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model (anything else: nothing happens).
+        example: an input batch of the right shape (its values do not matter).
+        autocast: the run's autocast context (``None``: none), so that the same kernels run.
+    """
+    if not hasattr(ddp_model, "no_sync"):
+        return
+    inner = ddp_model.module
+    buffers = {k: v.clone() for k, v in inner.named_buffers()}
+    with autocast or contextlib.nullcontext():
+        out = ddp_model(example)
+    (out.float().sum() * 0.0).backward()
+    ddp_model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for k, v in inner.named_buffers():
+            v.copy_(buffers[k])

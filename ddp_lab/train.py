@@ -6,370 +6,57 @@ Run it on every GPU of a node, on CPU processes, or as one plain process::
     python -m ddp_lab.train --model mlp --epochs 1        # one process, says so on start
 
 Outputs land in ``--out``: ``summary.json`` (final loss, accuracy, steps, world size,
-samples/s, seconds), ``metrics.jsonl`` (one record per optimizer step, from rank 0) and
-``model.pt`` (the final state dict of the unwrapped model). ``--help`` lists every flag.
+samples/s, seconds), ``metrics.jsonl`` (a record every ``--log-every`` steps, from rank 0),
+``model.pt`` (the final state dict of the unwrapped model) and ``events.jsonl`` (the run's
+timeline: start, resume, checkpoints, faults). ``--help`` lists every flag.
+
+The pieces around the loop have rooms of their own: the command line (:mod:`ddp_lab.options`),
+the optimizer step in lab 5's order (:mod:`ddp_lab.optim`), records at no per-step cost
+(:mod:`ddp_lab.monitor`), checkpoints and the resumable data order (:mod:`ddp_lab.checkpoint`),
+faults and failures explained (:mod:`ddp_lab.faults`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import io
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_lab import data as data_mod
-from ddp_lab.checkpoint import Checkpoints, ResumableSampler
+from ddp_lab.checkpoint import (
+    Checkpoints,
+    Position,
+    ResumableSampler,
+    check_resumable,
+    training_state,
+    write_atomic,
+)
 from ddp_lab.dist import (
-    DEFAULT_TIMEOUT_S,
     CommMeter,
     DistEnv,
     ddp_bucket_count,
     print0,
+    settle_ddp_buckets,
     setup,
     teardown,
 )
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.faults import KINDS, Events, Faults, InjectedFault, process_start_time
-from ddp_lab.models import MODELS, build_model, has_batchnorm
+from ddp_lab.faults import Events, Faults, InjectedFault, attempt, process_start_time
+from ddp_lab.models import build_model, has_batchnorm
 from ddp_lab.monitor import Clock, NormWarning, Recorder, Window
+from ddp_lab.optim import autocast, optimizer_step, warmup_schedule
+from ddp_lab.options import PROG, Config, build_parser, check_environment, parse_args
 from ddp_lab.syncbn import convert_sync_batchnorm_auto
 
-PROG = "ddp_lab.train"
-
-#: Flags that only make sense with ``--ckpt-dir``.
-NEED_CKPT_DIR = {
-    "ckpt_every": "--ckpt-every",
-    "resume": "--resume",
-    "rollback_drop": "--rollback-drop",
-}
-
-#: Flags a resumed run must share with the run that wrote the checkpoint.
-MUST_MATCH = ("model", "dataset", "train_size", "seed", "amp", "sync_bn", "momentum")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The trainer's command line. ``allow_abbrev=False``: only whole flag names count."""
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a model with DistributedDataParallel (under torchrun) or in one "
-        "process (plain python). --batch-size is per process: the global batch is "
-        "batch-size x processes x accum-steps.",
-    )
-    d = p.add_argument_group("data")
-    d.add_argument(
-        "--dataset",
-        choices=["synthetic", "cifar10"],
-        default="synthetic",
-        help="synthetic: generated, CIFAR-shaped, no download; cifar10: from "
-        "--data-dir, downloaded when missing and online",
-    )
-    d.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
-    d.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
-    d.add_argument("--test-size", type=int, default=2_000, help="synthetic test samples")
-    d.add_argument(
-        "--num-workers",
-        type=int,
-        default=None,
-        help="DataLoader workers per process (default: 4 on CUDA, 0 on CPU)",
-    )
-
-    o = p.add_argument_group("model and optimisation")
-    o.add_argument("--model", choices=MODELS, default="mlp")
-    o.add_argument("--epochs", type=int, default=1)
-    o.add_argument(
-        "--max-steps", type=int, default=None, help="stop after this many optimizer steps in total"
-    )
-    o.add_argument("--batch-size", type=int, default=32, help="samples per step per process")
-    o.add_argument("--lr", type=float, default=0.05, help="learning rate actually used")
-    o.add_argument(
-        "--scale-lr",
-        action="store_true",
-        help="linear scaling rule: use lr x processes x accum-steps",
-    )
-    o.add_argument("--momentum", type=float, default=0.9)
-    o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds weights and shuffling; same seed and flags, same model.pt",
-    )
-    o.add_argument(
-        "--sync-bn",
-        action="store_true",
-        help="synchronise BatchNorm statistics across processes (nn.SyncBatchNorm "
-        "on CUDA, ddp_lab.syncbn on the CPU)",
-    )
-    o.add_argument(
-        "--amp",
-        choices=["off", "bf16", "fp16"],
-        default="off",
-        help="mixed precision: bf16 autocast, or fp16 autocast with a GradScaler (dynamic "
-        "loss scaling, inf steps skipped); both on the CPU and on CUDA. A CPU without fast "
-        "bf16/fp16 kernels runs them correctly but slowly (said in one line on start)",
-    )
-    o.add_argument(
-        "--accum-steps",
-        type=int,
-        default=1,
-        help="micro-batches per optimizer step (gradient accumulation)",
-    )
-    o.add_argument(
-        "--clip-grad-norm",
-        type=float,
-        default=None,
-        help="clip the global gradient norm to this value (the seeds use 1.0); with fp16 the "
-        "gradients are unscaled first",
-    )
-    o.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=0,
-        help="linear learning-rate warm-up: optimizer step k <= N uses k/N of the rate "
-        "(the scaled rate with --scale-lr); 0: no warm-up",
-    )
-    o.add_argument(
-        "--grad-norm-warn",
-        type=float,
-        default=10.0,
-        help="flag a record (grad_norm_warn) and warn on stderr (rank 0, at most every 10 s) "
-        "when the gradient norm before clipping exceeded this; checked every step when "
-        "clipping (the norm is free then), at records otherwise; 0: off",
-    )
-
-    c = p.add_argument_group(
-        "checkpoints and faults",
-        "Checkpoints hold everything a bit-identical resume needs (model, optimizer, scaler, "
-        "LR schedule, epoch and position in it, every rank's RNG states, data order); rank 0 "
-        "writes them atomically with a checksum. Resuming on another number of processes "
-        "re-shards the rest of the epoch: no sample is read twice or skipped.",
-    )
-    c.add_argument(
-        "--ckpt-dir",
-        default=None,
-        help="folder for checkpoints ckpt-<step>.pt (written by rank 0; every rank reads it)",
-    )
-    c.add_argument(
-        "--ckpt-every",
-        type=int,
-        default=None,
-        help="checkpoint every N optimizer steps (default with --ckpt-dir: at every epoch end)",
-    )
-    c.add_argument(
-        "--keep-last",
-        type=int,
-        default=3,
-        help="checkpoints kept (the newest ones; the best one for --rollback-drop stays too)",
-    )
-    c.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest valid checkpoint in --ckpt-dir when there is one "
-        "(a corrupt newest one is reported and the previous one used), else start fresh; "
-        "use it under torchrun --max-restarts",
-    )
-    c.add_argument(
-        "--rollback-drop",
-        type=float,
-        default=None,
-        help="evaluate at every checkpoint; when test accuracy falls more than this many "
-        "percentage points below the best checkpoint's, restore that checkpoint's weights, "
-        "optimizer and scaler (the step count and the data go on) and flag it in the "
-        "metrics (the seeds use 5)",
-    )
-    c.add_argument(
-        "--fail-at-step",
-        type=int,
-        default=None,
-        help="fault injection: fail once at this global step, on the first attempt only "
-        "(TORCHELASTIC_RESTART_COUNT 0: a restarted group does not fail again)",
-    )
-    c.add_argument(
-        "--fault",
-        choices=list(KINDS),
-        default="raise",
-        help="how --fail-at-step fails: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()),
-    )
-    c.add_argument(
-        "--fail-rank",
-        type=int,
-        default=None,
-        help="the rank that fails at --fail-at-step (default: the last rank)",
-    )
-
-    r = p.add_argument_group("runtime and outputs")
-    r.add_argument(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default="auto",
-        help="auto: nccl when CUDA GPUs are visible, gloo otherwise",
-    )
-    r.add_argument(
-        "--pg-timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds a collective may wait before the job fails (instead of hanging): the "
-        "error names the rank, the collective and the step, and the ranks that never "
-        "arrived; lab 6 uses 10-30 s",
-    )
-    r.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        default=None,
-        help="write TensorBoard scalars to DIR (rank 0)",
-    )
-    r.add_argument(
-        "--out", default="runs/train", help="folder for summary.json, metrics.jsonl and model.pt"
-    )
-    r.add_argument(
-        "--log-every",
-        type=int,
-        default=10,
-        help="write a metrics record (loss averaged over the steps since the last record "
-        "and over ranks, lr, grad norm, samples/s) every N optimizer steps and on the last "
-        "step; between records a step costs no host sync and no extra collective (1: every "
-        "step, as a debugging aid)",
-    )
-    r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    r.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="check the flags and the environment, print the configuration, exit",
-    )
-    return p
-
-
-@dataclass
-class Config:
-    """The trainer's options (the parsed command line)."""
-
-    dataset: str
-    data_dir: str
-    train_size: int
-    test_size: int
-    num_workers: int | None
-    model: str
-    epochs: int
-    max_steps: int | None
-    batch_size: int
-    lr: float
-    scale_lr: bool
-    momentum: float
-    weight_decay: float
-    seed: int
-    sync_bn: bool
-    amp: str
-    accum_steps: int
-    clip_grad_norm: float | None
-    warmup_steps: int
-    grad_norm_warn: float
-    ckpt_dir: str | None
-    ckpt_every: int | None
-    keep_last: int
-    resume: bool
-    rollback_drop: float | None
-    fail_at_step: int | None
-    fault: str
-    fail_rank: int | None
-    backend: str
-    pg_timeout: float
-    tensorboard: str | None
-    out: str
-    log_every: int
-    no_progress: bool
-    dry_run: bool
-
-
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse and validate the command line.
-
-    Raises:
-        UsageError: a value out of range, or a flag whose feature is not available yet.
-    """
-    cfg = Config(**vars(build_parser().parse_args(argv)))
-    for name, flag in NEED_CKPT_DIR.items():
-        if getattr(cfg, name) not in (None, False) and cfg.ckpt_dir is None:
-            raise UsageError(f"{flag} needs --ckpt-dir DIR (where checkpoints are written)")
-    positive = {
-        "--epochs": cfg.epochs,
-        "--batch-size": cfg.batch_size,
-        "--accum-steps": cfg.accum_steps,
-        "--train-size": cfg.train_size,
-        "--test-size": cfg.test_size,
-        "--log-every": cfg.log_every,
-    }
-    optional = {
-        "--max-steps": cfg.max_steps,
-        "--ckpt-every": cfg.ckpt_every,
-        "--keep-last": cfg.keep_last,
-        "--fail-at-step": cfg.fail_at_step,
-    }
-    positive.update({flag: v for flag, v in optional.items() if v is not None})
-    for flag, value in positive.items():
-        if value <= 0:
-            raise UsageError(f"{flag} must be a positive integer, got {value}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise UsageError(f"--lr must be a positive number, got {cfg.lr}")
-    if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
-        raise UsageError(f"--clip-grad-norm must be positive, got {cfg.clip_grad_norm}")
-    if cfg.rollback_drop is not None and not (
-        cfg.rollback_drop > 0 and math.isfinite(cfg.rollback_drop)
-    ):
-        raise UsageError(f"--rollback-drop must be positive (points), got {cfg.rollback_drop}")
-    if cfg.fail_rank is not None and cfg.fail_rank < 0:
-        raise UsageError(f"--fail-rank must be >= 0, got {cfg.fail_rank}")
-    if cfg.warmup_steps < 0:
-        raise UsageError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
-    if not (cfg.grad_norm_warn >= 0 and math.isfinite(cfg.grad_norm_warn)):
-        raise UsageError(f"--grad-norm-warn must be >= 0 (0: off), got {cfg.grad_norm_warn}")
-    if cfg.num_workers is not None and cfg.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0, got {cfg.num_workers}")
-    return cfg
-
-
-def check_environment(cfg: Config, env: DistEnv) -> None:
-    """Refuse combinations this machine cannot run (with the fix in the message), and say in
-    one line when a choice runs correctly but slowly here (fp16 or bf16 on an older CPU)."""
-    if cfg.fail_rank is not None and cfg.fail_rank >= env.world_size:
-        raise UsageError(
-            f"--fail-rank {cfg.fail_rank} does not exist in a job of {env.world_size} "
-            f"process(es); use 0 .. {env.world_size - 1}"
-        )
-    if cfg.amp != "off" and env.device.type == "cpu" and not fast_cpu_amp(cfg.amp):
-        print0(
-            f"{PROG}: note: this CPU has no fast {cfg.amp} kernels (oneDNN reports none); "
-            f"--amp {cfg.amp} is correct but slower than fp32 here",
-            env=env,
-            file=sys.stderr,
-        )
-
-
-def fast_cpu_amp(dtype: str) -> bool:
-    """True when oneDNN has fast kernels for ``dtype`` (``"bf16"`` or ``"fp16"``) on this
-    CPU (AVX512-BF16/AMX for bf16, AVX512-FP16/AMX-FP16 for fp16). A cheap query, no timing.
-
-    Example:
-        >>> fast_cpu_amp("bf16") in (True, False)
-        True
-    """
-    query = {
-        "bf16": "_is_mkldnn_bf16_supported",
-        "fp16": "_is_mkldnn_fp16_supported",
-    }[dtype]
-    try:
-        return bool(getattr(torch.ops.mkldnn, query)())
-    except (AttributeError, RuntimeError):
-        return True  # unknown: say nothing rather than something wrong
+__all__ = ["Config", "build_parser", "check_environment", "main", "parse_args", "train"]
 
 
 def wrap_model(model: torch.nn.Module, cfg: Config, env: DistEnv) -> torch.nn.Module:
@@ -397,98 +84,11 @@ def sync_buffers(model: torch.nn.Module, env: DistEnv) -> None:
 
 
 def save_atomic(obj, path: str) -> None:
-    """``torch.save`` to a temporary file, then rename: a crash never leaves half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _autocast(cfg: Config, env: DistEnv):
-    if cfg.amp == "off":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float16
-    return torch.autocast(device_type=env.device.type, dtype=dtype)
-
-
-def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-
-
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    params: list[torch.nn.Parameter],
-    clip: float | None,
-    need_norm: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One optimizer step from accumulated (and, with fp16, scaled) gradients, in the order
-    that keeps clipping right: unscale -> clip -> step (skipped on inf/NaN) -> update scale.
-
-    Clipping before ``unscale_`` would compare the *scaled* norm with ``clip`` (the bug of
-    the PyTorch examples' minGPT trainer). Nothing here reads a tensor on the host.
-
-    Args:
-        optimizer: the optimizer; its gradients are zeroed at the end.
-        scaler: the GradScaler (disabled unless fp16: then unscale/step/update are plain).
-        params: the parameters to clip and measure.
-        clip: the maximum global gradient norm, or ``None``.
-        need_norm: compute the gradient norm even without clipping.
-
-    Returns:
-        ``(grad_norm, skipped)``: the global norm before clipping (a 0-d device tensor, or
-        ``None`` when neither clipping nor ``need_norm`` asked for it), and a 0-d device
-        tensor that is 1 when the scaler skipped the step (``None`` without fp16).
-
-    Example:
-        >>> model = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> model(torch.ones(1, 2)).sum().backward()
-        >>> scaler = torch.amp.GradScaler("cpu", enabled=False)
-        >>> norm, skipped = optimizer_step(opt, scaler, list(model.parameters()), 1.0, False)
-        >>> round(float(norm), 4), skipped
-        (1.7321, None)
-    """
-    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    grad_norm = None
-    if clip is not None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    elif need_norm:  # the norm costs a pass over the gradients: only when asked
-        grad_norm = _grad_norm(params)
-    skipped = None
-    if scaler.is_enabled():
-        scale = scaler._scale.clone()  # the scale halves exactly when the step is skipped
-        scaler.step(optimizer)
-        scaler.update()
-        skipped = (scaler._scale < scale).to(torch.int64)
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
-
-
-def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
-    """Linear warm-up: optimizer step k uses ``min(1, k / warmup_steps)`` of the base rate.
-
-    Call ``scheduler.step()`` after every optimizer step. With ``warmup_steps`` 0 the rate
-    is the base rate from the first step (exactly: the factor is 1.0).
-
-    Example:
-        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        >>> sched = warmup_schedule(opt, 4)
-        >>> rates = []
-        >>> for _ in range(5):
-        ...     rates.append(opt.param_groups[0]["lr"])
-        ...     opt.step()
-        ...     sched.step()
-        >>> rates
-        [0.25, 0.5, 0.75, 1.0, 1.0]
-    """
-    if warmup_steps <= 0:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda done: min(1.0, (done + 1) / warmup_steps)
-    )
+    """``torch.save`` through a temporary file, fsync and rename: a crash or a full disk
+    never leaves half a file, nor destroys the one saved before."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    write_atomic(buf.getvalue(), path)
 
 
 def make_loader(
@@ -517,93 +117,6 @@ def make_loader(
         persistent_workers=workers > 0,
     )
     return loader, sampler
-
-
-@dataclass
-class Position:
-    """Where training is: optimizer steps done, the epoch, and the global samples of that
-    epoch already read (the same number at every world size)."""
-
-    step: int = 0
-    epoch: int = 0
-    samples: int = 0
-
-
-def training_state(
-    cfg: Config,
-    env: DistEnv,
-    pos: Position,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    scheduler,
-    loader: torch.utils.data.DataLoader,
-    evals: list[dict],
-) -> dict:
-    """Everything a bit-identical resume needs (the RNG states are added by
-    :meth:`~ddp_lab.checkpoint.Checkpoints.save`)."""
-    return {
-        "format": 1,
-        "step": pos.step,
-        "epoch": pos.epoch,
-        "epoch_samples": pos.samples,
-        "world_size": env.world_size,
-        "global_batch": cfg.batch_size * env.world_size * cfg.accum_steps,
-        "config": asdict(cfg),
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "loader_generator": loader.generator.get_state(),
-        "evals": evals,
-    }
-
-
-def check_resumable(state: dict, cfg: Config, env: DistEnv) -> None:
-    """Refuse a checkpoint written with other essential flags; say so when the number of
-    processes changed (the rest of the epoch is re-sharded)."""
-    old = state["config"]
-    diff = [f"--{k.replace('_', '-')} {old[k]} (now {getattr(cfg, k)})" for k in MUST_MATCH]
-    diff = [d for d, k in zip(diff, MUST_MATCH, strict=True) if old[k] != getattr(cfg, k)]
-    if diff:
-        raise UsageError(
-            f"the checkpoint {state['path']} was written with {', '.join(diff)}; resume "
-            "with the same flags, or start afresh with another --ckpt-dir"
-        )
-    if state["world_size"] != env.world_size:
-        left = cfg.train_size - state["epoch_samples"] if cfg.dataset == "synthetic" else "the"
-        print0(
-            f"{PROG}: resuming a {state['world_size']}-process checkpoint on "
-            f"{env.world_size} process(es): {left} remaining samples of epoch "
-            f"{state['epoch']} are re-sharded over the new ranks",
-            env=env,
-            file=sys.stderr,
-        )
-
-
-def settle_buckets(model: torch.nn.Module, cfg: Config, env: DistEnv) -> None:
-    """Let DDP build its final gradient buckets now, with a backward pass that changes nothing.
-
-    DDP starts with one bucket in registration order and rebuilds its buckets in the order
-    gradients became ready after its first backward. An uninterrupted run takes step 1 on the
-    first layout and every later step on the rebuilt one; a resumed run would take its first
-    step on the first layout. With 3 or more ranks the ring all-reduce then adds the three
-    gradients in another order (float addition is not associative) and the weights differ in
-    the last bits. One zero-loss forward and backward here (buffers restored, gradients
-    dropped) records the order, so the resumed run's first step uses the rebuilt layout:
-    bit-identical again.
-    """
-    if not isinstance(model, DDP):
-        return
-    buffers = {k: v.clone() for k, v in unwrap(model).named_buffers()}
-    x = torch.zeros(2, *data_mod.IMAGE_SHAPE, device=env.device)
-    with _autocast(cfg, env):
-        out = model(x)
-    (out.float().sum() * 0.0).backward()
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for k, v in unwrap(model).named_buffers():
-            v.copy_(buffers[k])
 
 
 def make_faults(cfg: Config, env: DistEnv) -> Faults:
@@ -751,7 +264,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         faults.at("loading the checkpoint")
         resumed = ckpts.load_latest()  # also restores this rank's RNG states
     if resumed is not None:
-        check_resumable(resumed, cfg, env)
+        check_resumable(resumed, cfg, env, len(train_set))
         unwrap(model).load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
         scaler.load_state_dict(resumed["scaler"])
@@ -759,7 +272,9 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         loader.generator.set_state(resumed["loader_generator"].cpu())
         pos = Position(resumed["step"], resumed["epoch"], resumed["epoch_samples"])
         if pos.step > 0:
-            settle_buckets(model, cfg, env)  # the bucket layout of an uninterrupted run
+            # DDP's rebuilt bucket layout, as an uninterrupted run has it by now
+            example = torch.zeros(2, *data_mod.IMAGE_SHAPE, device=env.device)
+            settle_ddp_buckets(model, example, autocast(cfg.amp, env.device))
             if comm is not None:
                 comm.take()
         evals = resumed["evals"]
@@ -816,7 +331,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
                     else (model.no_sync())
                 )
                 with sync:
-                    with _autocast(cfg, env):
+                    with autocast(cfg.amp, env.device):
                         loss = torch.nn.functional.cross_entropy(model(x), y)
                     scaler.scale(loss / cfg.accum_steps).backward()  # loss / K: a mean
                 window.loss += loss.detach().float() / cfg.accum_steps
@@ -908,7 +423,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         "log_every": cfg.log_every,
         "ddp_buckets": ddp_bucket_count(model) if env.distributed else None,
         "resumed_from": resumed["step"] if resumed else None,
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "attempt": attempt(),  # this torchrun agent's restarts
         "rollbacks": rollbacks,
         "evals": evals,
         "config": asdict(cfg),

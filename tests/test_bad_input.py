@@ -50,6 +50,11 @@ CASES = {
         ["--rollback-drop", "positive"],
     ),
     "failing rank out of range": (["--fail-rank", "3"], {}, ["--fail-rank 3", "0 .. 0"]),
+    "hang on one process": (
+        ["--fail-at-step", "2", "--fault", "hang"],
+        {},
+        ["--fault hang needs 2 or more processes", "torchrun"],
+    ),
 }
 
 

@@ -12,7 +12,7 @@ from _harness import spawn_gloo
 from _trainer_workers import count_allreduces
 
 from ddp_lab.models import build_model
-from ddp_lab.train import optimizer_step
+from ddp_lab.optim import optimizer_step
 
 SMALL = ["--model", "mlp", "--train-size", "256", "--test-size", "40", "--seed", "1"]
 
