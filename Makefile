@@ -16,7 +16,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format lab3 bench lab time-labs release student-kit autograde feedback grades sample-class clean
+.PHONY: help install test test-fast lint format lab3 lab5 lab6 bench lab time-labs release student-kit autograde feedback grades sample-class clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -49,6 +49,12 @@ format: $(STAMP)  ## ruff format and autofix
 
 lab3: $(STAMP)  ## lab 3's DDP workload on every GPU (or 2 CPU processes) into results/lab3/
 	$(PY) -m ddp_lab.lab3 $(LAB3_ARGS)
+
+lab5: $(STAMP)  ## lab 5: fp32 vs bf16 vs fp16+scaler, accumulation 1 vs 4, into results/lab5/
+	$(PY) -m ddp_lab.lab5 $(LAB5_ARGS)
+
+lab6: $(STAMP)  ## lab 6: a clean run vs one with a fault under --max-restarts=3, into results/lab6/
+	$(PY) -m ddp_lab.lab6 $(LAB6_ARGS)
 
 bench: $(STAMP)  ## trainer vs plain PyTorch throughput, 1 and 2 processes (results/bench/)
 	$(PY) -m ddp_lab.bench $(BENCH_ARGS)

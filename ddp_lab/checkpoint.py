@@ -72,17 +72,27 @@ def encode(state: dict) -> bytes:
     return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
 
 
-def decode(data: bytes, map_location: str | torch.device | None = None) -> dict:
-    """The state inside :func:`encode`'s bytes, after checking the checksum.
+def verify(data: bytes) -> bytes:
+    """The payload of :func:`encode`'s bytes, after checking the header and the checksum.
 
     Raises:
-        CorruptCheckpoint: bad header, checksum mismatch (a truncated file) or bad payload.
+        CorruptCheckpoint: bad header, or checksum mismatch (a truncated or damaged file).
     """
     head, sep, payload = data.partition(b"\n")
     if not (sep and head.startswith(MAGIC)):
         raise CorruptCheckpoint("no checkpoint header")
     if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC) :]:
         raise CorruptCheckpoint(f"checksum mismatch ({len(data)} bytes: truncated or damaged)")
+    return payload
+
+
+def decode(data: bytes, map_location: str | torch.device | None = None) -> dict:
+    """The state inside :func:`encode`'s bytes, after checking the checksum.
+
+    Raises:
+        CorruptCheckpoint: bad header, checksum mismatch (a truncated file) or bad payload.
+    """
+    payload = verify(data)
     try:
         return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
     except Exception as err:  # a payload that hashes right but does not load
@@ -149,7 +159,8 @@ def newest_valid(
     chosen, bad = None, []
     for _, path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            read_checkpoint(path, map_location="cpu")
+            with open(path, "rb") as f:
+                verify(f.read())  # the checksum; every rank loads the chosen file next
             chosen = path
             break
         except (CorruptCheckpoint, OSError) as err:

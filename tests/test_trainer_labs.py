@@ -1,0 +1,56 @@
+"""``make lab5`` and ``make lab6``: the pieces that do not need processes (the run plans,
+torchrun's detection time, the restart phases, the figures). The drivers themselves run the
+trainer, whose properties the other trainer tests prove."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from matplotlib.figure import Figure
+
+from ddp_lab.figures.lab5_runs import lab5_runs
+from ddp_lab.figures.lab6_restart import restart_timeline
+from ddp_lab.lab5 import runs
+from ddp_lab.lab6 import detection_time, restart_phases
+
+
+def test_lab5_runs_keep_the_global_batch():
+    plan = runs(32, 4)
+    assert list(plan) == ["fp32", "bf16", "fp16+scaler", "fp32 accum 4"]
+    for flags in plan.values():
+        batch = int(flags[flags.index("--batch-size") + 1])
+        accum = int(flags[flags.index("--accum-steps") + 1]) if "--accum-steps" in flags else 1
+        assert batch * accum == 32
+
+
+def test_lab6_reads_torchrun_detection_and_the_restart_phases():
+    fault = datetime.datetime(2026, 11, 30, 17, 10, 46, 500000).timestamp()
+    log = (
+        "I1130 17:10:40.000000 1 api.py:1] starting\n"
+        "E1130 17:10:46.960000 13456 api.py:1002] failed (exitcode: -9) local_rank: 1\n"
+    )
+    detected = detection_time(log, fault)
+    assert detected - fault == pytest.approx(0.46, abs=1e-3)
+    events = [
+        {"event": "checkpoint", "time": fault - 1, "attempt": 0},
+        {"event": "fault", "time": fault, "attempt": 0},
+        {"event": "start", "time": fault + 1.0, "attempt": 1},
+        {"event": "joined", "time": fault + 3.0, "attempt": 1},
+        {"event": "resumed", "time": fault + 4.0, "attempt": 1},
+        {"event": "first_step", "time": fault + 4.25, "attempt": 1},
+    ]
+    phases = restart_phases(events, detected)
+    assert [round(e, 2) for _, _, e in phases] == [0.46, 1.0, 3.0, 4.0, 4.25]
+    assert all(a <= b for _, a, b in phases)
+    assert isinstance(restart_timeline(phases, "test"), Figure)
+    assert restart_phases(events, None)[0][0] == "stop the group, start new workers"
+
+
+def test_lab5_figure_draws_curves_and_ratios():
+    fig = lab5_runs(
+        {"fp32": ([5, 10], [2.3, 2.0]), "bf16": ([5, 10], [2.3, 2.1])},
+        {"fp32": 10.0, "bf16": 5.0},
+        "test",
+    )
+    assert len(fig.axes) == 2
