@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ckpt-every",
         type=int,
         default=None,
-        help="checkpoint every N optimizer steps (default with --ckpt-dir: at every epoch end)",
+        help="checkpoint every N optimizer steps (None: at every epoch end)",
     )
     c.add_argument(
         "--keep-last",
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-rank",
         type=int,
         default=None,
-        help="the rank that fails at --fail-at-step (default: the last rank)",
+        help="the rank that fails at --fail-at-step (None: the last rank)",
     )
 
     r = p.add_argument_group("runtime and outputs")
