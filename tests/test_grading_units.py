@@ -6,7 +6,7 @@ import pytest
 from nbformat import NotebookNode
 from nbgrader.utils import determine_grade
 
-from ddp_lab.grading.exercise import Exercise
+from ddp_lab.checks.contract import Exercise
 from ddp_lab.grading.notebook import split_magics
 from ddp_lab.grading.preprocessor import rewrite_outputs
 

@@ -19,8 +19,6 @@ draws), :mod:`~ddp_lab.checks.guards` (what student code may not call).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ddp_lab.checks.failure import (
     CheckFailed,
     all_close,
@@ -40,21 +38,3 @@ __all__ = [
     "passed",
     "require",
 ]
-
-
-def make_verdict(lab: str, notebook: str | None = None) -> Callable[[str], None]:  # transitional
-    """Transitional (labs not yet on the new template): see ``ddp_lab.grading.verdict``."""
-
-    def verdict(grade_id: str) -> None:
-        from ddp_lab.grading.verdict import hidden_test  # noqa: PLC0415
-
-        hidden_test(grade_id, notebook)
-
-    return verdict
-
-
-def launch_problem(err: Exception, filename: str) -> str:  # transitional
-    """Transitional: see :func:`ddp_lab.launch.messages.student_problem`."""
-    from ddp_lab.launch.messages import student_problem
-
-    return student_problem(err, filename)

@@ -142,15 +142,26 @@ def _given(lab_notebook: dict) -> set[int]:
     return prints
 
 
+def _body(text: str, node: ast.FunctionDef | ast.ClassDef) -> str:
+    """A function's or class's code without its signature and docstring: what it *does*
+    (a shared signature, ``def f(n: int, rank: int) -> list[int]``, is no leak)."""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return "\n".join(ast.get_source_segment(text, stmt) or "" for stmt in body)
+
+
 def _reference_functions(root: Path) -> dict[str, str]:
-    """``file:function -> source`` of every top-level function and class of the answers'
-    reference modules."""
+    """``file:function -> body`` of every public top-level function and class of the
+    answers' reference modules (private helpers such as ``_rank_and_size`` are plumbing
+    that any distributed code shares, not an exercise's answer)."""
     out = {}
     for path in sorted((root / "ddp_lab" / "answers").rglob("references.py")):
         text = path.read_text()
         for node in ast.parse(text).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                out[f"{path.relative_to(root)}:{node.name}"] = ast.get_source_segment(text, node)
+            public = not node.name.startswith("_") if hasattr(node, "name") else False
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and public:
+                out[f"{path.relative_to(root)}:{node.name}"] = _body(text, node)
     return out
 
 

@@ -23,7 +23,7 @@ from jupyter_client.manager import AsyncKernelManager
 from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
-from ddp_lab.grading.exercise import exercises
+from ddp_lab.checks.contract import exercises
 from ddp_lab.grading.notebook import is_test, nbgrader_meta
 from ddp_lab.grading.sandbox import confine
 

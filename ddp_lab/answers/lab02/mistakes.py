@@ -43,6 +43,26 @@ RING_SKIPS_A_STEP = (
     + _ALL_GATHER
 )
 
+#: A ring written in one loop over both phases that adds in both: the all-gather must
+#: overwrite, so chunks come out with some ranks' values counted twice.
+RING_ADDS_IN_BOTH_PHASES = """%%writefile ring.py
+import torch
+import torch.distributed as dist
+
+
+def ring_all_reduce(tensor):
+    me, size = dist.get_rank(), dist.get_world_size()
+    pieces = torch.tensor_split(tensor.view(-1), size)
+    for k in range(2 * (size - 1)):
+        outgoing = pieces[(me - k) % size]
+        incoming = torch.zeros_like(pieces[(me - k - 1) % size])
+        req = dist.isend(outgoing.clone(), (me + 1) % size)
+        dist.recv(incoming, (me - 1) % size)
+        req.wait()
+        pieces[(me - k - 1) % size].add_(incoming)  # BUG: the second phase must copy
+    return tensor
+"""
+
 #: A ring in which every rank blocks in recv before sending: the torchrun job deadlocks.
 RING_RECV_FIRST = (
     _RING_HEAD
@@ -164,7 +184,8 @@ def fit_alpha_beta(sizes, seconds, world_size):
 """
 
 MISTAKES = [
-    Mistake("ex1_ring_all_reduce", "typical", RING_SKIPS_A_STEP, "skips a step"),
+    Mistake("ex1_ring_all_reduce", "typical", RING_ADDS_IN_BOTH_PHASES, "is wrong in chunk(s)"),
+    Mistake("ex1_ring_all_reduce", "skips a step", RING_SKIPS_A_STEP, "skips a step"),
     Mistake(
         "ex1_ring_all_reduce",
         "calls all_reduce",
