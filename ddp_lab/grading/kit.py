@@ -46,7 +46,8 @@ LEAK_AT = 0.25
 COPIED = ("pyproject.toml", "constraints.txt", "LICENSE")
 #: Pins students do not need (developer tools).
 DEV_ONLY = ("pytest", "pytest-timeout", "ruff")
-FILES = Path(__file__).resolve().parent / "kit_files"
+#: The kit's own README, Makefile and nbgrader config, relative to the repository root.
+FILES = Path("ddp_lab") / "grading" / "kit_files"
 _SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 
 
@@ -98,7 +99,7 @@ def build(root: Path, out: Path) -> Path:
     for name in COPIED:
         shutil.copy2(root / name, kit / name)
     for template in ("README.md", "Makefile", "nbgrader_config.py"):
-        shutil.copy2(FILES / template, kit / template)
+        shutil.copy2(root / FILES / template, kit / template)
     (kit / "environment.yml").write_text(_student_environment(root))
     archive = out / f"{KIT_NAME}.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
@@ -182,7 +183,7 @@ def leaks(kit: Path, root: Path) -> list[str]:
     for part in private:
         base = root / part
         for path in [base] if base.is_file() else sorted(base.rglob("*.py")):
-            if not path.is_file() or FILES in path.parents or not path.read_text().strip():
+            if not path.is_file() or (root / FILES) in path.parents or not path.read_text().strip():
                 continue
             digest = hashlib.sha256(path.read_text().encode()).hexdigest()
             if digest in digests:
