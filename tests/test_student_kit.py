@@ -154,7 +154,7 @@ def test_a_kit_from_a_fresh_clone_installs_and_runs_the_labs(tmp_path):
         line = next(ln for ln in text.splitlines() if f"nbgrader.server_extensions.{name} " in ln)
         assert state in line, line
     listed = run_tree([str(bin_ / "nbgrader"), "list"], timeout=120, cwd=str(student))
-    for lab in kit.labs(ROOT):
+    for lab in kit.labs(clone):
         assert f"ddp-lab {lab}" in listed.stdout + listed.stderr, listed.stderr
         folder = student / "labs" / lab
         run = run_tree([str(bin_ / "python"), "-c", SMOKE, lab], timeout=300, cwd=str(folder))
