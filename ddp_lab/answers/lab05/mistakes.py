@@ -1,0 +1,436 @@
+"""Typical wrong answers of lab 5, and what the grader must say about each.
+
+Each source replaces the whole solution cell. The first mistake of each exercise is the one
+the sample class's ``mistake`` student submits; every one must fail its own exercise with
+its ``reason`` in the verdict: ``MISTAKES`` through the real grader
+(``tests/test_mistakes.py``), ``MORE_MISTAKES`` in ``tests/test_lab05.py``.
+"""
+
+from __future__ import annotations
+
+from ddp_lab.answers import Mistake
+
+# exercise 1: the right scale search, on which the share mistakes below are built
+_SCALE = """
+    largest = values.abs().max()
+    k = 0
+    while torch.isinf((largest * 2.0**k).half()):
+        k -= 1
+    while not torch.isinf((largest * 2.0 ** (k + 1)).half()):
+        k += 1
+    scale = 2.0**k
+"""
+
+
+def _report(head: str, share: str, scale: str = _SCALE, bf16: str = "torch.bfloat16") -> str:
+    return f"""
+import torch
+
+
+def fp16_report(grads):
+{head}
+    def share(x, dtype):
+{share}
+{scale}
+    return {{
+        "underflow": share(values, torch.float16),
+        "max_scale": scale,
+        "underflow_at_max_scale": share(values * scale, torch.float16),
+        "bf16_underflow": share(values, {bf16}),
+    }}
+"""
+
+
+_NONZERO = """    values = torch.cat([g.reshape(-1).float() for g in grads])
+    values = values[values != 0]
+"""
+_RIGHT_SHARE = "        return (x.to(dtype) == 0).sum().item() / values.numel()"
+
+# exercise 2: the right scaler, pieces of which the mistakes replace
+_INIT = """
+import torch
+
+
+class LossScaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000):
+        self.s = float(init_scale)
+        self.growth, self.backoff, self.interval = growth_factor, backoff_factor, growth_interval
+        self.good, self.inf, self.unscaled = 0, False, False
+
+    def scale(self, loss):
+        return loss * self.s
+
+    def get_scale(self):
+        return self.s
+"""
+_UNSCALE = """
+    def unscale_(self, optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.s)
+                    self.inf = self.inf or not bool(torch.isfinite(p.grad).all())
+        self.unscaled = True
+"""
+_STEP = """
+    def step(self, optimizer):
+        if not self.unscaled:
+            self.unscale_(optimizer)
+        if not self.inf:
+            optimizer.step()
+"""
+_UPDATE = """
+    def update(self):
+        if self.inf:
+            self.s *= self.backoff
+            self.good = 0
+        else:
+            self.good += 1
+            if self.good == self.interval:
+                self.s *= self.growth
+                self.good = 0
+        self.inf, self.unscaled = False, False
+"""
+
+# exercise 3: the accumulation loop, with the pieces the mistakes change
+_ACCUM = """%%writefile accum.py
+import contextlib
+
+
+def train_accumulated(ddp_model, optimizer, micro_batches, k, loss_fn):
+    steps = 0
+    for start in range(0, len(micro_batches), k):
+        group = micro_batches[start:start + k]
+        for i, (x, y) in enumerate(group):
+            last = i == len(group) - 1
+            with {context}:
+                loss = loss_fn(ddp_model(x), y){divide}
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+    return steps
+"""
+_SYNC_LAST = "contextlib.nullcontext() if last else ddp_model.no_sync()"
+
+# exercise 4: one step, the clipping and the returned norm in the middle
+_AMP = """
+import torch
+import torch.nn.functional as F
+
+
+def amp_step(model, optimizer, scaler, x, y, max_norm, dtype):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+{middle}
+    return norm
+"""
+
+# exercise 5: the file's head
+_NORM_HEAD = """%%writefile grad_norm.py
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(local_grads, norm_type=2.0, group=None):
+    flat = [g.detach().reshape(-1).double() for g in local_grads]
+    mine = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+"""
+
+_ALL = [
+    # --- exercise 1: fp16_report -------------------------------------------------------------
+    Mistake(
+        "ex1_fp16_report",
+        "share_of_all_entries",  # the zeros (ReLU, an unused layer) counted in the denominator
+        _report(
+            "    values = torch.cat([g.reshape(-1).float() for g in grads])\n",
+            "        nonzero = x[x != 0]\n"
+            "        return (nonzero.to(dtype) == 0).sum().item() / x.numel()",
+            _SCALE.replace("values.abs().max()", "values[values != 0].abs().max()"),
+        ),
+        "counts every entry, the zeros too",
+    ),
+    Mistake(
+        "ex1_fp16_report",
+        "subnormal_is_underflow",  # below the smallest normal number is not zero yet
+        _report(
+            _NONZERO,
+            "        return (x.abs() < torch.finfo(dtype).tiny).sum().item() / values.numel()",
+        ),
+        "they become subnormal numbers",
+    ),
+    Mistake(
+        "ex1_fp16_report",
+        "scale_from_finfo_max",  # 65504 is the largest value, not the overflow threshold
+        _report(
+            _NONZERO,
+            _RIGHT_SHARE,
+            """
+    largest = values.abs().max().item()
+    scale = 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / largest))
+""",
+        ).replace("import torch\n", "import math\n\nimport torch\n", 1),
+        "above finfo.max = 65504 but still finite",
+    ),
+    Mistake(
+        "ex1_fp16_report",
+        "bf16_measured_in_fp16",
+        _report(_NONZERO, _RIGHT_SHARE, bf16="torch.float16"),
+        "equals the float16 share",
+    ),
+    # --- exercise 2: LossScaler ----------------------------------------------------------------
+    Mistake(
+        "ex2_loss_scaler",
+        "never_skips",  # the inf/NaN step reaches the weights
+        _INIT
+        + _UNSCALE
+        + """
+    def step(self, optimizer):
+        if not self.unscaled:
+            self.unscale_(optimizer)
+        optimizer.step()
+"""
+        + _UPDATE,
+        "even when a gradient holds an inf",
+    ),
+    Mistake(
+        "ex2_loss_scaler",
+        "grows_every_step",
+        _INIT
+        + _UNSCALE
+        + _STEP
+        + """
+    def update(self):
+        self.s *= self.backoff if self.inf else self.growth
+        self.inf, self.unscaled = False, False
+""",
+        "grows after every good step",
+    ),
+    Mistake(
+        "ex2_loss_scaler",
+        "never_grows",
+        _INIT
+        + _UNSCALE
+        + _STEP
+        + """
+    def update(self):
+        if self.inf:
+            self.s *= self.backoff
+        self.inf, self.unscaled = False, False
+""",
+        "never grows",
+    ),
+    Mistake(
+        "ex2_loss_scaler",
+        "keeps_counting",  # the good steps before an overflow still count afterwards
+        _INIT
+        + _UNSCALE
+        + _STEP
+        + _UPDATE.replace("            self.good = 0\n        else:", "        else:"),
+        "goes on across an overflow",
+    ),
+    Mistake(
+        "ex2_loss_scaler",
+        "misses_nan",
+        _INIT
+        + _UNSCALE.replace(
+            "not bool(torch.isfinite(p.grad).all())", "bool(torch.isinf(p.grad).any())"
+        )
+        + _STEP
+        + _UPDATE,
+        "a NaN gradient went through",
+    ),
+    Mistake(
+        "ex2_loss_scaler",
+        "unscales_twice",
+        _INIT
+        + _UNSCALE
+        + """
+    def step(self, optimizer):
+        self.unscale_(optimizer)
+        if not self.inf:
+            optimizer.step()
+"""
+        + _UPDATE,
+        "divided by the scale twice",
+    ),
+    # --- exercise 3: train_accumulated --------------------------------------------------------
+    Mistake(
+        "ex3_accumulation",
+        "no_no_sync",  # right weights, one all-reduce per micro-batch
+        _ACCUM.format(context="contextlib.nullcontext()", divide=" / len(group)"),
+        "under ddp_model.no_sync()",
+    ),
+    Mistake(
+        "ex3_accumulation",
+        "loss_not_divided",  # k times the learning rate
+        _ACCUM.format(context=_SYNC_LAST, divide=""),
+        "is not divided by the number of micro-batches",
+    ),
+    Mistake(
+        "ex3_accumulation",
+        "tail_divided_by_k",
+        _ACCUM.format(context=_SYNC_LAST, divide=" / k"),
+        "was divided by k",
+    ),
+    Mistake(
+        "ex3_accumulation",
+        "syncs_the_first",  # the all-reduce happens before the group's gradient is complete
+        _ACCUM.format(
+            context="contextlib.nullcontext() if i == 0 else ddp_model.no_sync()",
+            divide=" / len(group)",
+        ),
+        "ranks ended with different weights",
+    ),
+    # --- exercise 4: amp_step -----------------------------------------------------------------
+    Mistake(
+        "ex4_amp_step",
+        "clip_before_unscale",  # the minGPT bug
+        _AMP.format(
+            middle="""    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()"""
+        ),
+        "clipped the scaled gradients",
+    ),
+    Mistake(
+        "ex4_amp_step",
+        "no_clipping",
+        _AMP.format(
+            middle="""    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.get_total_norm(
+        [p.grad for p in model.parameters() if p.grad is not None])
+    scaler.step(optimizer)
+    scaler.update()"""
+        ),
+        "was not clipped",
+    ),
+    Mistake(
+        "ex4_amp_step",
+        "optimizer_step",  # unscaled and clipped right, but an overflow reaches the weights
+        _AMP.format(
+            middle="""    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    scaler.update()"""
+        ),
+        "must be skipped",
+    ),
+    Mistake(
+        "ex4_amp_step",
+        "no_update",
+        _AMP.format(
+            middle="""    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)"""
+        ),
+        "call scaler.update()",
+    ),
+    Mistake(
+        "ex4_amp_step",
+        "norm_after_clipping",
+        _AMP.format(
+            middle="""    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = torch.nn.utils.get_total_norm(
+        [p.grad for p in model.parameters() if p.grad is not None])
+    scaler.step(optimizer)
+    scaler.update()"""
+        ),
+        "returned the norm after clipping",
+    ),
+    # --- exercise 5: global_grad_norm ---------------------------------------------------------
+    Mistake(
+        "ex5_global_grad_norm",
+        "sums_norms",  # norms do not add up
+        _NORM_HEAD
+        + """    if norm_type == math.inf:
+        result = mine.abs().max() if mine.numel() else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+        return result
+    result = mine.norm()
+    dist.all_reduce(result, group=group)
+    return result
+""",
+        "summed the ranks' norms",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "local_only",
+        _NORM_HEAD
+        + """    if mine.numel() == 0:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(mine, norm_type)
+""",
+        "the norm of its own gradients",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "inf_norm_summed",
+        _NORM_HEAD
+        + """    if norm_type == math.inf:
+        result = mine.abs().max() if mine.numel() else torch.zeros((), dtype=torch.float64)
+    else:
+        result = (mine * mine).sum()
+    dist.all_reduce(result, group=group)
+    return result if norm_type == math.inf else result.sqrt()
+""",
+        "summed the ranks' largest magnitudes",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "max_without_abs",
+        _NORM_HEAD
+        + """    if norm_type == math.inf:
+        result = mine.max() if mine.numel() else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+        return result
+    result = (mine * mine).sum()
+    dist.all_reduce(result, group=group)
+    return result.sqrt()
+""",
+        "missed a larger negative entry",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "mean_of_squares",
+        _NORM_HEAD
+        + """    if norm_type == math.inf:
+        result = mine.abs().max() if mine.numel() else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+        return result
+    result = (mine * mine).sum()
+    dist.all_reduce(result, group=group)
+    return (result / dist.get_world_size(group)).sqrt()
+""",
+        "averaged the sums of squares",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "ignores_group",  # all ranks' collective while rank 2 is outside the group: deadlock
+        _NORM_HEAD
+        + """    if norm_type == math.inf:
+        result = mine.abs().max() if mine.numel() else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+        return result
+    result = (mine * mine).sum()
+    dist.all_reduce(result)
+    return result.sqrt()
+""",
+        "pass group=group to every collective",
+    ),
+]
+
+#: What ``tests/test_mistakes.py`` and the sample class run through the real grader: at most
+#: three per exercise (each round of that test grades one mistake per exercise, and a round
+#: costs a whole grading run). The first of each exercise is the sample class's.
+_ROUNDS = 3
+MISTAKES = [m for m in _ALL if [x.cell for x in _ALL[: _ALL.index(m) + 1]].count(m.cell) <= _ROUNDS]
+#: The others, judged in ``tests/test_lab05.py`` (each must fail its exercise with its reason).
+MORE_MISTAKES = [m for m in _ALL if m not in MISTAKES]
