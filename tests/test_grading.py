@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from _harness import run_tree
 
-from ddp_lab.grading import sample_class
 from ddp_lab.checks.contract import exercises
+from ddp_lab.grading import sample_class
 from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta, source_of
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,8 @@ LAB = "lab01_data_parallel"
 STUDENTS = ("perfect", "blank", "mistake", "copycat")
 
 # A stand-in for SLURM's sbatch: an array starts every task at once (in the background);
-# a job with --dependency waits for them (afterany) and runs its --wrap command.
+# a job with --dependency waits for them (afterany) and runs its --wrap command, so the
+# submission script returns when the merge is done (real sbatch returns at once).
 SBATCH = r"""#!/bin/bash
 set -u
 array= wrap= script= dep=
@@ -73,7 +74,7 @@ def test_job_array_grades_like_a_local_autograde(tmp_path):
         "TMPDIR": str(tmp_path),
     }
     submitted = run_tree(
-        ["bash", str(ROOT / "cluster" / "autograde.sh"), "3"], env=env, cwd=str(course), timeout=60
+        ["bash", str(ROOT / "cluster" / "autograde.sh"), "3"], env=env, cwd=str(course), timeout=600
     )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert "array job 4242 (3 tasks), merge job 4243" in submitted.stdout

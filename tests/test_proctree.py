@@ -203,7 +203,7 @@ def test_bad_arguments_fail_before_starting_anything():
 
 
 def test_launch_uses_the_shared_grace_period():
-    from ddp_lab import launch
+    from ddp_lab.launch import start
 
-    assert launch.GRACE_S == proctree.GRACE_S
-    assert not hasattr(launch, "_Tree") and not hasattr(launch, "_process_table")
+    assert start.GRACE_S == proctree.GRACE_S
+    assert not hasattr(start, "_Tree") and not hasattr(start, "_process_table")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from ddp_lab.answers import full_judge, hidden
 from ddp_lab.checks.contract import exercises
 from ddp_lab.checks.failure import CheckFailed
 
@@ -57,6 +56,8 @@ def changed_modules(hashes: dict[str, str]) -> list[str]:
 
 def judge_one(lab: str, item: dict) -> dict:
     """Verdict for one exercise: ``{"passed", "message"}``."""
+    from ddp_lab.answers import full_judge, hidden  # not imported by a confined kernel
+
     ex = exercises(lab)[item["grade_id"]]
     judge = full_judge(ex, hidden(lab).get(ex.grade_id))
     if sha256(item["inputs"]) != item["inputs_sha256"]:

@@ -24,11 +24,11 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddp_lab import proctree
-from ddp_lab.answers import Hidden, hidden
 from ddp_lab.checks.contract import Exercise, exercises, lab_of_notebook
 from ddp_lab.checks.failure import CheckFailed, passed
 from ddp_lab.checks.runner import INPUTS_FILE, grading, write_cells
@@ -36,6 +36,9 @@ from ddp_lab.childenv import child_env
 from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
 from ddp_lab.grading.sandbox import confine, course_roots
+
+if TYPE_CHECKING:  # the answers are hidden from a confined kernel, which imports this module
+    from ddp_lab.answers import Hidden
 
 JUDGE_TIMEOUT_S = 120.0
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -160,6 +163,8 @@ def judge_notebook(
         notebook = load(notebook)
     if lab is None:
         raise ValueError("give lab= when judging a notebook held in memory")
+    from ddp_lab.answers import hidden  # grader side only: never in a student's process
+
     table = exercises(lab)
     extras = hidden(lab)
     wanted = list(table) if grade_ids is None else list(grade_ids)
