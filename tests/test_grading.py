@@ -11,14 +11,15 @@
 from __future__ import annotations
 
 import csv
-import os
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from _harness import run_tree
+from _harness import leftover_processes, run_tree
 
+from ddp_lab.answers import lab_answers
 from ddp_lab.checks.contract import exercises
 from ddp_lab.grading import sample_class
 from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta, source_of
@@ -148,21 +149,6 @@ def test_every_test_cell_has_an_out_of_kernel_exercise(lab):
 # --- real autograde runs ---------------------------------------------------------------
 
 
-def _leftover_processes(marker: str) -> list[str]:
-    """Live processes whose command line or working directory contains ``marker``."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and (marker in cmd or marker in cwd) and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmd[:200]} (in {cwd})")
-    return found
-
-
 def autograde_class(course: Path, lab: str, students, extra_args=()) -> str:
     """``make autograde`` on ``course``; every temporary file (and so every grading
     process's command line) lives under ``course/tmp``, to find what survives."""
@@ -205,7 +191,13 @@ def cell_scores(course: Path, lab: str) -> dict[str, dict[str, float]]:
 def test_autograde_scores_the_sample_class(released, lab, tmp_path):
     course = tmp_path / "course"
     shutil.copytree(released, course)
-    students = [s for s in sample_class.STUDENTS if s != "hang" or lab in sample_class.HANG_LABS]
+    # the copycat is a renamed copy of `perfect` (same points): its report is tested in
+    # tests/test_integrity.py, grading it again would cost a minute and prove nothing new
+    students = [
+        s
+        for s in sample_class.STUDENTS
+        if (s != "hang" or lab in sample_class.HANG_LABS) and s != "copycat"
+    ]
     out = autograde_class(course, lab, students)
     print(out)
     got = cell_scores(course, lab)
@@ -237,6 +229,22 @@ def test_autograde_scores_the_sample_class(released, lab, tmp_path):
         if r["assignment"] == lab
     }
     assert exported == set(students), f"exported {sorted(exported)}, submitted {students}"
+    # the typical mistakes lost their exercises for their own reasons (the verdicts are in
+    # the autograded notebook, where the student's feedback comes from)
+    wrong = load(course / "grading" / "autograded" / "mistake" / lab / f"{lab}.ipynb")
+    said = {
+        nbgrader_meta(c).get("grade_id"): json.dumps(c.get("outputs", [])) for c in wrong["cells"]
+    }
+    typical = {}
+    for m in lab_answers(lab).MISTAKES:
+        typical.setdefault(m.cell, m)
+    for cell, m in typical.items():
+        assert json.dumps(m.reason)[1:-1] in said[f"test_{cell}"], (
+            cell,
+            m.reason,
+            said[f"test_{cell}"],
+        )
+    assert (course / "grading" / "integrity.csv").is_file()
     # the cheater's edited test cells were restored from the source before grading
     cheated = load(course / "grading" / "autograded" / "cheat" / lab / f"{lab}.ipynb")
     source = {
@@ -245,7 +253,7 @@ def test_autograde_scores_the_sample_class(released, lab, tmp_path):
     for cell in cheated["cells"]:
         if is_test(cell):
             assert source_of(cell) == source[nbgrader_meta(cell)["grade_id"]]
-    assert not _leftover_processes(str(course)), "a process of the grading run survived"
+    assert not leftover_processes(str(course)), "a process of the grading run survived"
 
 
 @pytest.mark.slow

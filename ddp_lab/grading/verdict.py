@@ -16,6 +16,7 @@ result files written by hand) reaches the verdict.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import sys
@@ -31,7 +32,7 @@ import torch
 from ddp_lab import proctree
 from ddp_lab.checks.contract import Exercise, exercises, lab_of_notebook
 from ddp_lab.checks.failure import CheckFailed, passed
-from ddp_lab.checks.runner import INPUTS_FILE, grading, write_cells
+from ddp_lab.checks.runner import INPUTS_FILE, write_cells
 from ddp_lab.childenv import child_env
 from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
@@ -240,7 +241,7 @@ def hidden_test(grade_id: str, notebook: str | Path | None = None) -> None:
     Raises:
         CheckFailed: the saved notebook fails the exercise.
     """
-    if grading():
+    if os.environ.get("NBGRADER_EXECUTION") == "autograde":  # read here: nothing to patch
         print(f"{grade_id}: judged by the grader outside this kernel, on fresh inputs")
         return
     path = Path(notebook) if notebook else Path.cwd() / f"{Path.cwd().name}.ipynb"
