@@ -235,6 +235,7 @@ class TreeRun:
         seconds: wall-clock duration, the clean-up included.
         timed_out: the command ran past its timeout and the tree was killed.
         killed: processes still alive that had to be killed (0 on a clean exit).
+        too_many: the tree grew past ``max_processes`` and was killed.
     """
 
     returncode: int | None
@@ -243,6 +244,7 @@ class TreeRun:
     seconds: float
     timed_out: bool
     killed: int
+    too_many: bool = False
 
 
 def run(
@@ -253,6 +255,7 @@ def run(
     env: Mapping[str, str] | None = None,
     grace: float = 2.0,
     stdin_devnull: bool = True,
+    max_processes: int | None = None,
 ) -> TreeRun:
     """Run ``cmd`` in a session of its own and make sure no process of its tree survives it.
 
@@ -270,6 +273,9 @@ def run(
             inherits this process's environment.
         grace: seconds between SIGTERM and SIGKILL.
         stdin_devnull: give the command an empty stdin; False lets it inherit this one.
+        max_processes: kill the tree when a scan finds more processes alive in it (a
+            process-spawning loop; the scans run every ``SCAN_S`` s, so a fast loop may
+            get further in between).
 
     Returns:
         A :class:`TreeRun`; a non-zero exit or a timeout is reported there, not raised.
@@ -303,9 +309,10 @@ def run(
             start_new_session=True,
         )
         tree = ProcessTree(proc)
+        too_many = [False]
         try:
-            timed_out = not _wait_for_root(proc, tree, t0 + timeout)
-            if timed_out:
+            timed_out = not _wait_for_root(proc, tree, t0 + timeout, max_processes, too_many)
+            if timed_out or too_many[0]:
                 killed = tree.terminate(grace)
             else:  # anything the command left running
                 killed = tree.terminate(grace) if tree.alive(tree.refresh()) else 0
@@ -314,25 +321,37 @@ def run(
             raise
         seconds = time.monotonic() - t0
         return TreeRun(
-            returncode=None if timed_out else proc.returncode,
+            returncode=None if timed_out or too_many[0] else proc.returncode,
             stdout=_read(out),
             stderr=_read(err),
             seconds=seconds,
             timed_out=timed_out,
             killed=killed,
+            too_many=too_many[0],
         )
 
 
-def _wait_for_root(proc: subprocess.Popen, tree: ProcessTree, deadline: float) -> bool:
-    """Scan the tree until the root exits (True) or the deadline passes (False)."""
+def _wait_for_root(
+    proc: subprocess.Popen,
+    tree: ProcessTree,
+    deadline: float,
+    max_processes: int | None = None,
+    too_many: list[bool] | None = None,
+) -> bool:
+    """Scan the tree until the root exits (True), the deadline passes (False), or the tree
+    grows past ``max_processes`` (True, with ``too_many[0]`` set)."""
     next_scan = 0.0
     while True:
         now = time.monotonic()
         if now >= deadline:
             return proc.poll() is not None
         if now >= next_scan:  # remember every descendant, in case one outlives its parent
-            tree.refresh()
+            table = tree.refresh()
             next_scan = now + SCAN_S
+            if max_processes is not None and len(tree.alive(table)) > max_processes:
+                if too_many is not None:
+                    too_many[0] = True
+                return True
         try:
             proc.wait(timeout=min(POLL_S, deadline - now))
             return True

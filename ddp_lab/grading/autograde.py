@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ddp_lab import proctree
-from ddp_lab.grading import integrity
+from ddp_lab.grading import integrity, limits
 from ddp_lab.grading import sandbox as files_sandbox
 
 PROG = "ddp_lab.grading.autograde"
@@ -77,11 +77,13 @@ def grade_one(
     timeout: float,
     sandbox: list[str] | None,
     confine: bool = True,
+    student_limits: limits.Limits = limits.DEFAULT,
 ):
     """Autograde one submission; return ``(student, lab, status, seconds)``."""
     nbgrader = Path(sys.executable).with_name("nbgrader")
     cmd = [str(nbgrader), "autograde", lab, "--student", student, "--create", "--force"]
     env = {**os.environ, "PATH": os.pathsep.join([str(nbgrader.parent), os.environ["PATH"]])}
+    env[limits.ENV] = student_limits.to_env()  # the kernel's and the exercises' processes
     if not confine:
         env[files_sandbox.ENV_SWITCH] = "off"
     run = proctree.run([*(sandbox or []), *cmd], timeout=timeout, cwd=str(root), env=env)
@@ -160,8 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         help="confine student code (course read-only; solutions/, other submissions and the "
         "gradebook hidden): on insists, auto does where the platform allows it",
     )
+    d = limits.DEFAULT
+    p.add_argument("--memory-mb", type=int, default=d.memory_mb, help="memory per student process")
+    p.add_argument(
+        "--max-processes",
+        type=int,
+        default=d.processes,
+        help="processes at once per student process tree (the kernel, or one exercise)",
+    )
+    p.add_argument("--file-mb", type=int, default=d.file_mb, help="largest file a student writes")
+    p.add_argument("--cpu-s", type=int, default=d.cpu_s, help="CPU seconds per student process")
     args = p.parse_args(argv)
     root = Path(args.root).resolve()
+    student_limits = limits.Limits(args.memory_mb, args.max_processes, args.file_mb, args.cpu_s)
     confine = args.sandbox != "off" and files_sandbox.available()
     if args.sandbox == "on" and not confine:
         print(
@@ -187,9 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     net = "no network" if sandbox else "network on"
     files = "student code confined" if confine else "student code NOT confined"
+    per_tree = "per tree" if limits.pids_cgroups_available() else "per tree, by watching"
     print(
         f"{PROG}: {len(pairs)} submission(s), {args.jobs} at a time, "
-        f"{args.timeout:g} s each, {net}, {files}",
+        f"{args.timeout:g} s each, {net}, {files}; limits: {args.memory_mb} MiB and "
+        f"{args.cpu_s} s CPU per process, {args.max_processes} processes {per_tree}, "
+        f"files up to {args.file_mb} MiB",
         flush=True,
     )
     if not confine:
@@ -203,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(
-            pool.map(lambda sl: grade_one(root, *sl, args.timeout, sandbox, confine), pairs)
+            pool.map(
+                lambda sl: grade_one(root, *sl, args.timeout, sandbox, confine, student_limits),
+                pairs,
+            )
         )
+    limits.sweep()  # the per-tree cgroups of the processes that have ended
     table = scores(root)
     failed = 0
     for student, lab, status, seconds in results:

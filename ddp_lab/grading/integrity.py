@@ -162,7 +162,7 @@ def solution_region(source: str) -> str:
 # --- the report of ``make autograde`` --------------------------------------------------------
 
 #: Columns of ``grading/integrity.csv``.
-REPORT_FIELDS = ("student", "lab", "exercise", "closest", "score", "flagged")
+REPORT_FIELDS = ("student", "lab", "exercise", "closest", "score", "flagged", "also")
 
 
 def _given_prints(release: dict) -> set[int]:
@@ -208,7 +208,7 @@ def class_report(root: Path, labs: list[str] | None = None) -> list[dict]:
     ``student:<id>`` (the same cell of every other submission), with the score: the share
     of the cell found in that source (:func:`containment`) for the instructor and the
     references, :func:`similarity` between two students. Rows at or above :data:`FLAG_AT`
-    are ``flagged``.
+    are ``flagged``; ``also`` lists the other sources at or above it.
     """
     from ddp_lab.grading.notebook import load, solution_sources
 
@@ -243,8 +243,9 @@ def class_report(root: Path, labs: list[str] | None = None) -> list[dict]:
                 for other, their in students.items():
                     if other != student and cell in their:
                         scores[f"student:{other}"] = similarity(prints, their[cell])
-                closest = max(scores, key=scores.get)
-                score = scores[closest]
+                ranked = sorted(scores, key=lambda k: (-scores[k], k))
+                closest, score = ranked[0], scores[ranked[0]]
+                also = [k for k in ranked[1:] if scores[k] >= FLAG_AT]
                 rows.append(
                     {
                         "student": student,
@@ -253,6 +254,7 @@ def class_report(root: Path, labs: list[str] | None = None) -> list[dict]:
                         "closest": closest if score > 0 else "",
                         "score": f"{score:.2f}",
                         "flagged": "yes" if score >= FLAG_AT else "",
+                        "also": " ".join(also[:8]),
                     }
                 )
     return rows

@@ -24,6 +24,7 @@ from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
 from ddp_lab.checks.contract import exercises
+from ddp_lab.grading import limits
 from ddp_lab.grading.notebook import is_test, nbgrader_meta
 from ddp_lab.grading.sandbox import confine
 
@@ -100,13 +101,14 @@ class OutOfKernelVerdicts(NbGraderPreprocessor):
 
 
 class ConfinedKernelManager(AsyncKernelManager):
-    """A kernel manager that starts the kernel through :func:`ddp_lab.grading.sandbox.confine`:
-    the course read-only and its answers hidden, the notebook's own folder writable."""
+    """A kernel manager that starts the kernel through :func:`ddp_lab.grading.sandbox.confine`
+    (the course read-only and its answers hidden, the notebook's own folder writable) and
+    under the resource limits of :mod:`ddp_lab.grading.limits`."""
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         cmd = super().format_kernel_cmd(extra_arguments)
         cwd = (self._launch_args or {}).get("cwd")
-        return confine(cmd, keep=[cwd] if cwd else [])
+        return confine(limits.wrap(cmd), keep=[cwd] if cwd else [])
 
 
 class ConfinedExecute(Execute):

@@ -18,6 +18,10 @@ Students (one folder each, every lab in ``labs/``):
 - ``copycat``: a classmate's (``perfect``'s) notebook with its local variables renamed and
   its layout changed: full marks, and flagged by the integrity report of ``make autograde``
   (:mod:`ddp_lab.grading.integrity`) together with the classmate;
+- ``hog``, ``forker``, ``scribbler`` (``HOSTILE_LABS`` only): the solutions, except that one
+  exercise also allocates twice the memory limit, starts processes in a loop (at most a few
+  thousand), or writes a file twice the size limit (``ddp_lab.grading.limits``): each loses
+  that exercise's points with a clear message, and nobody else loses anything;
 - ``cheat``: the release with no-op stubs that try to copy the instructor's answers from
   ``solutions/`` at run time, a cell that monkeypatches every comparison and every public
   check function, test cells edited to print success, and result files forged where the
@@ -41,13 +45,65 @@ from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta
 #: The course root: the folder that holds ``labs/`` and ``solutions/`` next to ``ddp_lab``.
 ROOT = Path(__file__).resolve().parents[2]
 
-STUDENTS = ("perfect", "blank", "mistake", "hang", "cheat", "copycat")
+STUDENTS = ("perfect", "blank", "mistake", "hang", "cheat", "copycat", "hog", "forker", "scribbler")
 #: Whom the copycat copies.
 COPIED_FROM = "perfect"
 # The hang student submits this lab only (a ring all-reduce whose torchrun job deadlocks):
 # the timeout path is the same for every lab, and each hang costs a full exercise timeout.
 # A deadlock is also tested directly in tests/test_lab02.py and tests/test_lab04.py.
 HANG_LABS = ("lab02_collectives",)
+# The hostile students submit this lab only (its exercises run in one process: quick).
+HOSTILE_LABS = ("lab01_data_parallel",)
+#: hostile student -> (solution cell it spoils, its function, what the function does first)
+HOSTILE = {
+    "hog": (
+        "ex1_split_batch",
+        "split_batch",
+        """import resource, torch
+    soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    limit = soft if soft != resource.RLIM_INFINITY else 4 * 1024**3
+    hoard = torch.ones(2 * limit // 4)  # twice the memory limit (float32)""",
+    ),
+    "forker": (
+        "ex2_average_gradients",
+        "average_gradients",
+        """import subprocess
+    children = [subprocess.Popen(["sleep", "30"]) for _ in range(3000)]  # bounded""",
+    ),
+    "scribbler": (
+        "ex3_data_parallel_gradients",
+        "data_parallel_gradients",
+        """import resource
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    size = 2 * soft if soft != resource.RLIM_INFINITY else 512 * 1024**2
+    with open("scribble.log", "wb") as f:
+        for _ in range(size // 2**20 + 1):
+            f.write(b"x" * 2**20)""",
+    ),
+}
+#: Students who submit only some labs.
+ONLY_IN = {"hang": HANG_LABS, **dict.fromkeys(HOSTILE, HOSTILE_LABS)}
+
+
+def submits(student: str, lab: str) -> bool:
+    """Whether ``student`` of the sample class submits ``lab``."""
+    return lab in ONLY_IN.get(student, (lab,))
+
+
+def hostile(kind: str, lab: str) -> dict:
+    """The notebook of a hostile student: the solutions, one function doing harm first."""
+    cell, name, harm = HOSTILE[kind]
+    nb = _strip_hidden_tests({**_notebook("solution", lab), "_lab": lab})
+    for c in nb["cells"]:
+        if nbgrader_meta(c).get("grade_id") == cell:
+            src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            c["source"] = (
+                src.rstrip("\n")
+                + f"\n\n\n_honest_{name} = {name}\n\n\ndef {name}(*args, **kwargs):\n"
+                + f"    {harm}\n    return _honest_{name}(*args, **kwargs)\n"
+            )
+    return nb
+
 
 CHEAT_CELL = """
 # A student who wants the points without the work.
@@ -226,9 +282,11 @@ def make_student(kind: str, lab: str) -> tuple[dict, dict[str, str]] | None:
         return _notebook("release", lab), {}
     if kind == "mistake":
         return _replace_solutions(_notebook("release", lab), mistakes_of(lab)), {}
+    if not submits(kind, lab):
+        return None
+    if kind in HOSTILE:
+        return hostile(kind, lab), {}
     if kind == "hang":
-        if lab not in HANG_LABS:
-            return None
         hang = hangs_of(lab)[0]
         nb = _strip_hidden_tests({**_notebook("solution", lab), "_lab": lab})
         return (_replace_solutions(nb, hang) if hang else nb), {}
@@ -297,7 +355,9 @@ def expected_scores(lab: str) -> dict[str, dict[str, float]]:
     hang = dict(full)
     for gid in hangs_of(lab)[1]:
         hang[gid] = 0.0
+    spoiled = {kind: {**full, f"test_{cell}": 0.0} for kind, (cell, _, _) in HOSTILE.items()}
     return {
+        **spoiled,
         "perfect": full,
         "blank": zero,
         "mistake": zero,
@@ -318,7 +378,7 @@ def expected_rows() -> list[dict[str, str]]:
         table = expected_scores(lab)
         top = sum(table["perfect"].values())
         for student in STUDENTS:
-            if student == "hang" and lab not in HANG_LABS:
+            if not submits(student, lab):
                 continue
             score = sum(table[student].values())
             rows.append(

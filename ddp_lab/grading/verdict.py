@@ -34,6 +34,7 @@ from ddp_lab.checks.contract import Exercise, exercises, lab_of_notebook
 from ddp_lab.checks.failure import CheckFailed, passed
 from ddp_lab.checks.runner import INPUTS_FILE, write_cells
 from ddp_lab.childenv import child_env
+from ddp_lab.grading import limits
 from ddp_lab.grading.judge import package_hashes, sha256
 from ddp_lab.grading.notebook import load, solution_sources
 from ddp_lab.grading.sandbox import confine, course_roots
@@ -93,16 +94,21 @@ def _run_student(
     # confined: the course read-only, its answers, the judge's folder and the other
     # exercises' folders hidden (where the platform allows; the hashes guard the rest)
     others = [p for p in tmp.iterdir() if p != workdir]
+    # limited: memory, processes, file size and CPU time (ddp_lab.grading.limits)
+    lim = limits.current()
+    student = [sys.executable, "-m", "ddp_lab.grading.student", lab, ex.grade_id, str(workdir)]
     run = proctree.run(
-        confine(
-            [sys.executable, "-m", "ddp_lab.grading.student", lab, ex.grade_id, str(workdir)],
-            keep=[workdir],
-            hide=others,
-        ),
+        confine(limits.wrap(student, lim), keep=[workdir], hide=others),
         timeout=ex.timeout,
         cwd=str(workdir),
         env=_student_env(),
+        max_processes=None if limits.pids_cgroups_available() else lim.processes,
     )
+    if run.too_many:
+        return None, (
+            f"your code ran more than {lim.processes} processes at once (a process-spawning "
+            "loop?) and was stopped"
+        )
     if run.timed_out:
         return None, (
             f"your code did not finish within {ex.timeout:g} s and was stopped "
@@ -110,7 +116,8 @@ def _run_student(
         )
     if run.returncode != 0:
         why = _last_lines(run.stderr) or f"exit status {run.returncode}"
-        return None, f"your code failed: {why}"
+        hit = limits.explain(run.stderr, lim, run.returncode)
+        return None, f"{hit}: {why}" if hit else f"your code failed: {why}"
     if not (workdir / "outputs.pt").is_file():
         return None, "your code produced no outputs"
     # the outputs as they were when this exercise's processes ended: a later exercise's
