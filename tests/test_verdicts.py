@@ -246,3 +246,17 @@ def test_copying_the_instructors_answer_at_grading_time_fails_in_the_sandbox(con
         pytest.fail("the grading sandbox is not available on this machine")
     v = judge_notebook(_thief_notebook(lab, gid), lab, [f"test_{gid}"])[f"test_{gid}"]
     assert v.passed is not confined, v
+
+
+@pytest.mark.timeout(60)
+def test_student_processes_see_no_gpu_on_any_host(monkeypatch):
+    # a GPU grading host and a laptop give the same points: the grader hides GPUs
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    probe = (
+        "import os, torch\n"
+        "def add(a, b):\n"
+        "    assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and not torch.cuda.is_available()\n"
+        "    return a + b\n"
+    )
+    v = _judge(_nb(add=probe), "test_add")["test_add"]
+    assert v.passed, v

@@ -108,6 +108,8 @@ class ConfinedKernelManager(AsyncKernelManager):
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         cmd = super().format_kernel_cmd(extra_arguments)
         cwd = (self._launch_args or {}).get("cwd")
+        # no GPU in the kernel either: the same notebook runs the same way on every host
+        cmd = ["env", "CUDA_VISIBLE_DEVICES=", *cmd]
         return confine(limits.wrap(cmd), keep=[cwd] if cwd else [])
 
 

@@ -61,8 +61,14 @@ class Verdict:
         return f"[{mark}] {self.grade_id} ({self.title}): {self.message}"
 
 
+#: GPUs are hidden from every process the grader starts: the same submission gets the same
+#: points on a laptop and on a GPU grading host (a solution that picks NCCL and a cuda device
+#: when CUDA is available takes its CPU branch here, as on the students' laptops).
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def _student_env() -> dict[str, str]:
-    return child_env(drop_torchrun=True, drop_prefixes=("JPY_", "NBGRADER_"))
+    return child_env(HIDE_GPUS, drop_torchrun=True, drop_prefixes=("JPY_", "NBGRADER_"))
 
 
 def _last_lines(text: str, n: int = 8) -> str:
