@@ -22,7 +22,14 @@ from _harness import leftover_processes, run_tree
 from ddp_lab.answers import lab_answers
 from ddp_lab.checks.contract import exercises
 from ddp_lab.grading import sample_class
-from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta, source_of
+from ddp_lab.grading.notebook import (
+    is_solution,
+    is_test,
+    is_written,
+    load,
+    nbgrader_meta,
+    source_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir())
@@ -115,8 +122,11 @@ def test_cell_metadata_is_well_formed(lab):
     assert [c["id"] for c in cells] == [c.get("id") for c in _cells("labs", lab)]
     tests = [c for c in cells if is_test(c)]
     assert 3 <= len(tests) <= 6, f"{len(tests)} graded exercises; a lab has 3 to 6"
-    total = sum(nbgrader_meta(c)["points"] for c in tests)
-    assert 10 <= total <= 20, f"{total} points; a lab is worth 10 to 20"
+    written = [c for c in cells if is_written(c)]
+    total = sum(nbgrader_meta(c)["points"] for c in tests + written)
+    assert 15 <= total <= 20, f"{total} points; a lab is worth 15 to 20"
+    for cell in written:  # a written answer carries its model answer and rubric (source only)
+        assert "### BEGIN SOLUTION" in source_of(cell) and nbgrader_meta(cell)["points"] > 0
     for cell in tests:
         meta = nbgrader_meta(cell)
         assert meta.get("points", 0) > 0, f"{meta['grade_id']} has no points"

@@ -85,6 +85,22 @@ def test(name: str, text: str, points: float) -> dict:
     return cell
 
 
+def written(name: str, question_id: str, answer: str, points: float) -> dict:
+    """A manually graded written answer ("predict, then explain"): a markdown cell the
+    student writes in, worth ``points``. Put the model answer and the rubric between
+    ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (the release keeps only "YOUR ANSWER
+    HERE"); the question itself goes into the markdown cell ``question_id`` before it.
+
+    Example:
+        >>> written("ex1_why", "q_ex1_why", "### BEGIN SOLUTION\\nBecause ...\\n"
+        ...         "### END SOLUTION", 1)["metadata"]["nbgrader"]["points"]
+        1
+    """
+    cell = md(name, answer)
+    cell["metadata"] = _meta(name, solution=True, grade=True, locked=False, points=points)
+    return cell
+
+
 def notebook(cells: list[dict]) -> dict:
     """A notebook (nbformat 4.5) of ``cells``."""
     return {

@@ -16,6 +16,7 @@ from ddp_lab.checks.runner import split_magics
 __all__ = [
     "is_solution",
     "is_test",
+    "is_written",
     "load",
     "nbgrader_meta",
     "solution_sources",
@@ -38,6 +39,15 @@ def is_test(cell: Mapping) -> bool:
     """True for an autograded test cell (``grade: true`` on a code cell that is no solution)."""
     meta = nbgrader_meta(cell)
     return bool(meta.get("grade")) and not meta.get("solution") and cell["cell_type"] == "code"
+
+
+def is_written(cell: Mapping) -> bool:
+    """True for a manually graded written answer (a markdown cell with ``grade`` and
+    ``solution``): no verdict, an instructor grades it by hand."""
+    meta = nbgrader_meta(cell)
+    return (
+        bool(meta.get("grade")) and bool(meta.get("solution")) and cell["cell_type"] == "markdown"
+    )
 
 
 def source_of(cell: Mapping) -> str:

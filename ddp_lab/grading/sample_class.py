@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ddp_lab.answers import lab_answers, typical
 from ddp_lab.grading.authoring import dumps
-from ddp_lab.grading.notebook import is_solution, is_test, load, nbgrader_meta
+from ddp_lab.grading.notebook import is_solution, is_test, is_written, load, nbgrader_meta
 
 #: The course root: the folder that holds ``labs/`` and ``solutions/`` next to ``ddp_lab``.
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,7 +340,7 @@ def write_class(submitted: Path, students=STUDENTS, only_labs: list[str] | None 
 
 
 def max_points(lab: str) -> dict[str, float]:
-    """``test grade_id -> points`` of a lab."""
+    """``test grade_id -> points`` of a lab's autograded test cells."""
     return {
         nbgrader_meta(c)["grade_id"]: float(nbgrader_meta(c)["points"])
         for c in _notebook("solution", lab)["cells"]
@@ -348,9 +348,20 @@ def max_points(lab: str) -> dict[str, float]:
     }
 
 
+def written_points(lab: str) -> dict[str, float]:
+    """``grade_id -> points`` of a lab's manually graded written answers (0 until an
+    instructor grades them: autograde leaves them for ``make feedback``'s formgrader)."""
+    return {
+        nbgrader_meta(c)["grade_id"]: float(nbgrader_meta(c)["points"])
+        for c in _notebook("solution", lab)["cells"]
+        if is_written(c)
+    }
+
+
 def expected_scores(lab: str) -> dict[str, dict[str, float]]:
-    """``student -> {test grade_id -> points}`` each student must get in ``lab``."""
-    full = max_points(lab)
+    """``student -> {grade_id -> points}`` each student must get in ``lab`` from autograde
+    (written answers: 0, waiting for the instructor)."""
+    full = {**max_points(lab), **dict.fromkeys(written_points(lab), 0.0)}
     zero = dict.fromkeys(full, 0.0)
     hang = dict(full)
     for gid in hangs_of(lab)[1]:
@@ -376,7 +387,7 @@ def expected_rows() -> list[dict[str, str]]:
     rows = []
     for lab in labs():
         table = expected_scores(lab)
-        top = sum(table["perfect"].values())
+        top = sum(max_points(lab).values()) + sum(written_points(lab).values())
         for student in STUDENTS:
             if not submits(student, lab):
                 continue
