@@ -47,6 +47,8 @@ format: $(STAMP)  ## ruff format and autofix
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
+# In a SLURM allocation of 2+ nodes it runs across them (srun, one torchrun agent per node)
+# into results/lab3-slurm-<jobid>/; cluster/lab3.sbatch submits exactly this.
 lab3: $(STAMP)  ## lab 3's DDP workload on every GPU (or 2 CPU processes) into results/lab3/
 	$(PY) -m ddp_lab.lab3 $(LAB3_ARGS)
 
@@ -56,7 +58,7 @@ lab5: $(STAMP)  ## lab 5: fp32 vs bf16 vs fp16+scaler, accumulation 1 vs 4, into
 lab6: $(STAMP)  ## lab 6: a clean run vs one with a fault under --max-restarts=3, into results/lab6/
 	$(PY) -m ddp_lab.lab6 $(LAB6_ARGS)
 
-bench: $(STAMP)  ## trainer vs plain PyTorch throughput, 1 and 2 processes (results/bench/)
+bench: $(STAMP)  ## trainer vs plain PyTorch DDP (interleaved pairs), comm share, ring vs gloo (results/bench/)
 	$(PY) -m ddp_lab.bench $(BENCH_ARGS)
 
 lab: $(STAMP)  ## JupyterLab (with nbgrader's extensions) on the course
