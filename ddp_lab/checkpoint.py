@@ -331,8 +331,18 @@ class Checkpoints:
 
     def dropped(self, accuracy: float, drop_points: float) -> bool:
         """True when ``accuracy`` is more than ``drop_points`` percentage points below the
-        best checkpoint's (the seeds' rule: restore the best one then)."""
-        return self.best is not None and 100 * (self.best["accuracy"] - accuracy) > drop_points
+        best checkpoint's (the seeds' rule: restore the best one then). The drop is rounded
+        to 1e-9 points first: 0.725 -> 0.675 is a drop of exactly 5 points, not of
+        5.000000000000004, so it does not exceed ``--rollback-drop 5``.
+
+        Example:
+            >>> ck = Checkpoints.__new__(Checkpoints); ck.best = {"accuracy": 0.725}
+            >>> ck.dropped(0.675, 5.0), ck.dropped(0.674, 5.0)
+            (False, True)
+        """
+        if self.best is None:
+            return False
+        return round(100 * (self.best["accuracy"] - accuracy), 9) > drop_points
 
     def _report(self, line: str) -> None:
         print0(f"ddp_lab.checkpoint: {line}", env=self.env, file=sys.stderr)

@@ -458,10 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         print("sample class: grades as expected" if not problems else "sample class: WRONG")
         return 1 if problems else 0
     if args.write_expected:
+        rows = expected_rows()  # first: a lab that fails to load must not empty the file
         with open(args.write_expected, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
             writer.writeheader()
-            writer.writerows(expected_rows())
+            writer.writerows(rows)
         print(f"wrote {args.write_expected}")
         return 0
     target = Path(args.target)
