@@ -49,14 +49,18 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 # --------------------------------------------------------------------------- pure parts
 
 
-def interleaved(pairs: int, kinds: Sequence[str] = ("reference", "trainer")) -> list[tuple]:
-    """The launch order: ``(pair, kind)`` for pair 0, 1, ..., each pair in ``kinds`` order.
+def interleaved(
+    pairs: int, nprocs: Sequence[int] = (1,), kinds: Sequence[str] = ("reference", "trainer")
+) -> list[tuple[int, int, str]]:
+    """The launch order ``(pair, processes, kind)``: round after round, each process count
+    in turn, each a (reference, trainer) pair; so every ratio, and the speed-up between
+    process counts, compares launches minutes apart at most.
 
     Example:
-        >>> interleaved(2)
-        [(0, 'reference'), (0, 'trainer'), (1, 'reference'), (1, 'trainer')]
+        >>> interleaved(2, [1, 2])[:4]
+        [(0, 1, 'reference'), (0, 1, 'trainer'), (0, 2, 'reference'), (0, 2, 'trainer')]
     """
-    return [(i, kind) for i in range(pairs) for kind in kinds]
+    return [(i, n, kind) for i in range(pairs) for n in nprocs for kind in kinds]
 
 
 def ratio_stats(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
@@ -260,24 +264,27 @@ def load_1min() -> float:
 
 def throughput(args: argparse.Namespace) -> dict:
     """Interleaved pairs for each process count; ratios, speed-up and the load seen."""
-    out: dict = {"pairs": args.pairs, "order": [list(p) for p in interleaved(args.pairs)]}
+    order = interleaved(args.pairs, args.nprocs)
+    out: dict = {"pairs": args.pairs, "order": [list(o) for o in order]}
     for n in args.nprocs:
-        runs: dict = {"reference": [], "trainer": [], "trainer_comm_share": [], "load": []}
-        for i, kind in interleaved(args.pairs):
-            runs["load"].append(load_1min())
-            if kind == "reference":
-                runs["reference"].append(run_reference(args, n))
-            else:
-                samples_per_s, share = run_trainer(args, n)
-                runs["trainer"].append(samples_per_s)
-                runs["trainer_comm_share"].append(share)
-            print(
-                f"{PROG}: {n} process(es), pair {i + 1}/{args.pairs}, {kind:<9} "
-                f"{runs[kind][-1]:7.1f} samples/s (load {runs['load'][-1]:.2f})",
-                flush=True,
-            )
+        out[f"np{n}"] = {"reference": [], "trainer": [], "trainer_comm_share": [], "load": []}
+    for i, n, kind in order:
+        runs = out[f"np{n}"]
+        runs["load"].append(load_1min())
+        if kind == "reference":
+            runs["reference"].append(run_reference(args, n))
+        else:
+            samples_per_s, share = run_trainer(args, n)
+            runs["trainer"].append(samples_per_s)
+            runs["trainer_comm_share"].append(share)
+        print(
+            f"{PROG}: pair {i + 1}/{args.pairs}, {n} process(es), {kind:<9} "
+            f"{runs[kind][-1]:7.1f} samples/s (load {runs['load'][-1]:.2f})",
+            flush=True,
+        )
+    for n in args.nprocs:
+        runs = out[f"np{n}"]
         runs["trainer_over_reference"] = ratio_stats(runs["trainer"], runs["reference"])
-        out[f"np{n}"] = runs
     top = max(args.nprocs)
     if 1 in args.nprocs and top > 1:  # the trainer's scaling: medians, and pair by pair
         one, many = out["np1"]["trainer"], out[f"np{top}"]["trainer"]
@@ -291,7 +298,9 @@ def throughput(args: argparse.Namespace) -> dict:
 
 def collectives(args: argparse.Namespace, nproc: int = 2) -> dict:
     """The communication share of a step and the bandwidth sweep (one launch)."""
-    from ddp_lab.answers.lab02.references import fit_alpha_beta
+    import numpy as np
+
+    from ddp_lab.answers.lab02.references import fit_alpha_beta, ring_allreduce_time
 
     flags = ["--worker", "collectives", "--model", args.model, "--batch-size"]
     flags += [str(args.batch_size), "--blocks", str(args.blocks), "--steps", str(args.steps)]
@@ -307,7 +316,11 @@ def collectives(args: argparse.Namespace, nproc: int = 2) -> dict:
             bus_bandwidth(s, t, nproc) for s, t in zip(b["sizes"], secs, strict=True)
         ]
         alpha, bw = fit_alpha_beta(b["sizes"], secs, nproc, relative=True)
-        b["fit"][name] = {"alpha_s": alpha, "bandwidth_bytes_per_s": bw}
+        grid = np.geomspace(min(b["sizes"]), max(b["sizes"]), 60)
+        model = ring_allreduce_time(grid, nproc, alpha, bw)
+        pts = zip(grid.tolist(), model.tolist(), strict=True)
+        curve = [[s, bus_bandwidth(s, t, nproc)] for s, t in pts if t > 0]
+        b["fit"][name] = {"alpha_s": alpha, "bandwidth_bytes_per_s": bw, "curve": curve}
     b["ring_over_all_reduce_at_16MiB_plus"] = [
         ring / ref
         for size, ring, ref in zip(

@@ -187,7 +187,7 @@ def job_hosts(environ: Mapping[str, str]) -> list[str]:
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
     try:
         out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist],
+            ["scontrol", "show", "hostnames", *([nodelist] if nodelist else [])],
             capture_output=True,
             text=True,
             timeout=60,

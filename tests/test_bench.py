@@ -10,15 +10,18 @@ import pytest
 from ddp_lab import bench
 
 
-def test_launches_alternate_reference_and_trainer():
-    assert bench.interleaved(3) == [
-        (0, "reference"),
-        (0, "trainer"),
-        (1, "reference"),
-        (1, "trainer"),
-        (2, "reference"),
-        (2, "trainer"),
+def test_launches_alternate_reference_and_trainer_round_by_round():
+    assert bench.interleaved(2, [1, 2]) == [
+        (0, 1, "reference"),
+        (0, 1, "trainer"),
+        (0, 2, "reference"),
+        (0, 2, "trainer"),
+        (1, 1, "reference"),
+        (1, 1, "trainer"),
+        (1, 2, "reference"),
+        (1, 2, "trainer"),
     ]
+    assert bench.interleaved(3) == [(i, 1, k) for i in range(3) for k in ("reference", "trainer")]
 
 
 def test_ratios_are_pairwise_with_median_min_max():
@@ -68,7 +71,7 @@ def test_json_shape_and_launch_order(monkeypatch, tmp_path):
         },
     )
     assert bench.main(["--pairs", "2", "--out", str(tmp_path)]) == 0
-    assert calls == [(k, n) for n in (1, 2) for _, k in bench.interleaved(2)]
+    assert calls == [(k, n) for _, n, k in bench.interleaved(2, [1, 2])]
     result = json.loads((tmp_path / "bench.json").read_text())
     tp = result["throughput"]
     assert tp["np1"]["trainer_over_reference"]["median"] == pytest.approx(0.99)

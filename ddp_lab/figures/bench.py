@@ -71,11 +71,10 @@ def _bandwidth(ax, result: dict) -> None:
     n = b["world_size"]
     for i, (name, bus) in enumerate(b["bus_bandwidth"].items()):
         ax.plot(sizes, np.asarray(bus) / 1e9, "o", color=COLORS[i], label=name)
-        fit = b["fit"].get(name)
-        if fit:
-            grid = np.geomspace(sizes.min(), sizes.max(), 100)
-            t = 2 * (n - 1) * fit["alpha_s"] + 2 * (n - 1) / n * grid / fit["bandwidth_bytes_per_s"]
-            ax.plot(grid, 2 * (n - 1) / n * grid / t / 1e9, "-", color=COLORS[i], lw=1)
+        curve = b["fit"].get(name, {}).get("curve")  # [[size, bus bandwidth], ...]
+        if curve:
+            xs, ys = zip(*curve, strict=True)
+            ax.plot(xs, np.asarray(ys) / 1e9, "-", color=COLORS[i], lw=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
