@@ -84,7 +84,7 @@ def test_json_shape_and_launch_order(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # three torchrun launches: ~70 s alone, more behind a loaded suite
 def test_tiny_real_run_of_every_part(tmp_path):
     """2 processes, the mlp, 4 steps, one pair; 2 message sizes; one block each."""
     args = ["--model", "mlp", "--steps", "4", "--pairs", "1", "--nprocs", "2"]
