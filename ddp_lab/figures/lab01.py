@@ -26,8 +26,8 @@ def data_parallel_step(sizes: Sequence[int] = (4, 4, 3)) -> Figure:
 
     Returns:
         The figure: the batch as a row of samples coloured by shard, a replica per shard
-        computing the shard's mean-loss gradient ``g_k``, and the combination
-        ``g = sum_k (B_k / B) g_k``.
+        computing the shard's mean-loss gradient ``g_k``, and their combination into the
+        full-batch gradient (the weights are exercise 2's question, not drawn).
 
     Example:
         >>> fig = data_parallel_step((2, 2))
@@ -74,14 +74,14 @@ def data_parallel_step(sizes: Sequence[int] = (4, 4, 3)) -> Figure:
             color,
         )
         _arrow(ax, (5.6, y), (6.7, height / 2), color=color)
-    weights = " + ".join(f"{s}/{total} $g_{k}$" for k, s in enumerate(sizes))
+    parts = ", ".join(f"$g_{k}$" for k in range(n))
     _box(
         ax,
         6.75,
         height / 2 - 0.45,
         3.2,
         0.9,
-        f"full-batch gradient\n$g$ = {weights}",
+        f"combine {parts}\ninto the full-batch gradient $g$\n(which weights? exercise 2)",
         GREY,
         alpha=0.2,
     )
@@ -99,8 +99,10 @@ def dataparallel_timeline(n: int = 3) -> Figure:
 
     Returns:
         The figure: one row per device and one column per phase (replicate, scatter,
-        parallel_apply, gather + loss, backward, reduce gradients). Arrows show every
-        transfer; all of them start or end on device 0.
+        parallel_apply, gather + loss, backward, reduce gradients). Replicate and reduce
+        are chain transfers (``broadcast_coalesced`` / ``reduce_add_coalesced``: NCCL passes
+        chunks from device to device, every link busy at once); scatter and gather go
+        through device 0, one device after another.
 
     Example:
         >>> fig = dataparallel_timeline(2)
@@ -108,12 +110,12 @@ def dataparallel_timeline(n: int = 3) -> Figure:
         1
     """
     phases = [
-        ("replicate", "copy the weights\nto every device", "out"),
+        ("replicate", "weights along the chain\n(broadcast_coalesced)", "down"),
         ("scatter", "cut the batch,\nsend the chunks", "out"),
         ("parallel_apply", "forward, one\nPython thread each", "all"),
         ("gather", "outputs to device 0,\nloss there", "in"),
         ("backward", "output grads out,\nbackward per replica", "all"),
-        ("reduce", "sum the gradients\non device 0", "in"),
+        ("reduce", "gradients summed along\nthe chain (reduce_add)", "up"),
     ]
     width, gap = 1.6, 0.25
     fig, ax = plt.subplots(figsize=(10, 1.4 + 0.7 * n))
@@ -143,7 +145,18 @@ def dataparallel_timeline(n: int = 3) -> Figure:
             for d in range(n):
                 _box(ax, x0, row(d) - 0.25, width, 0.5, "", color)
             continue
-        # a transfer: device 0 is busy for the whole phase, device d only for its turn
+        if kind in ("down", "up"):  # a pipelined chain: every device busy the whole phase
+            for d in range(n):
+                _box(ax, x0, row(d) - 0.25, width, 0.5, "chunks" if d == 0 else "", color)
+            for d in range(n - 1):
+                mid = x0 + width * (0.3 + 0.4 * d / max(1, n - 2))
+                top, bottom = row(d) - 0.25, row(d + 1) + 0.25
+                start, end = ((mid, top), (mid, bottom))
+                if kind == "up":
+                    start, end = end, start
+                _arrow(ax, start, end)
+            continue
+        # through device 0: busy for the whole phase, device d only for its turn
         label = {"out": f"sends {n - 1}x", "in": f"receives {n - 1}x"}[kind]
         if name == "gather":
             label += ", loss"
@@ -158,7 +171,53 @@ def dataparallel_timeline(n: int = 3) -> Figure:
             else:
                 _arrow(ax, (mid, bottom), (mid, top))
     ax.set_title(
-        "nn.DataParallel, one training step: every transfer goes through device 0", fontsize=10
+        "nn.DataParallel, one training step: chains for the weights and gradients, device 0 "
+        "for the data",
+        fontsize=10,
+    )
+    return _done(fig)
+
+
+def chain_pipeline(n: int = 4, chunks: int = 5) -> Figure:
+    """A pipelined transfer along a chain of devices: which link carries which chunk when.
+
+    Args:
+        n: devices in the chain ``0 -> 1 -> ... -> n-1`` (``n - 1`` links).
+        chunks: the message, cut into this many equal chunks.
+
+    Returns:
+        The figure: one row per link, time in units of one chunk's transfer over one link;
+        chunk ``j`` crosses link ``h`` in slot ``j + h``.
+
+    Example:
+        >>> fig = chain_pipeline(3, 2)
+        >>> len(fig.axes)
+        1
+    """
+    links = max(1, n - 1)
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.55 * links))
+    for h in range(links):
+        for j in range(chunks):
+            ax.add_patch(
+                FancyBboxPatch(
+                    (j + h + 0.04, links - 1 - h + 0.12),
+                    0.92,
+                    0.76,
+                    boxstyle="square,pad=0",
+                    facecolor=COLORS[j % len(COLORS)],
+                    alpha=0.8,
+                )
+            )
+            ax.text(j + h + 0.5, links - 1 - h + 0.5, f"c{j}", ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, chunks + links - 1 + 0.2)
+    ax.set_ylim(0, links)
+    ax.set_yticks([links - 1 - h + 0.5 for h in range(links)])
+    ax.set_yticklabels([f"link {h} -> {h + 1}" for h in range(links)], fontsize=8)
+    ax.set_xticks(range(chunks + links))
+    ax.set_xlabel("time, in units of one chunk over one link (chunk_bytes / bandwidth)")
+    ax.set_title(
+        f"A pipelined broadcast: {chunks} chunks, {n} devices; every link busy at once",
+        fontsize=10,
     )
     return _done(fig)
 
@@ -175,7 +234,7 @@ def imbalance_error(
         small_sizes: the size of the smaller shard for each point (the other holds
             ``batch - small``).
         plain: relative error of the plain average of the two shard gradients.
-        weighted: relative error of the size-weighted combination.
+        weighted: relative error of the student's combination (``data_parallel_step``).
         batch: the batch size ``B``.
 
     Returns:
@@ -200,7 +259,7 @@ def imbalance_error(
         [max(e, floor) for e in weighted],
         "s-",
         color=COLORS[2],
-        label="weighted  (B_0 g_0 + B_1 g_1) / B",
+        label="your data_parallel_step",
     )
     ax.axvline(batch / 2, color=GREY, ls="--", lw=1)
     ax.text(
@@ -208,9 +267,7 @@ def imbalance_error(
     )
     ax.set_xlabel(f"size of the smaller shard (batch B = {batch})")
     ax.set_ylabel("|g_combined - g_full| / |g_full|")
-    ax.set_title(
-        "Unequal shards: the plain average is biased, the weighted one is exact", fontsize=10
-    )
+    ax.set_title("Unequal shards: the plain average is biased, yours is exact", fontsize=10)
     ax.legend(fontsize=8, loc="center right")
     return _done(fig)
 

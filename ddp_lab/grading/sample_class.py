@@ -65,14 +65,14 @@ HOSTILE = {
     hoard = torch.ones(2 * limit // 4)  # twice the memory limit (float32)""",
     ),
     "forker": (
-        "ex2_average_gradients",
-        "average_gradients",
+        "ex2_data_parallel_step",
+        "data_parallel_step",
         """import subprocess
     children = [subprocess.Popen(["sleep", "30"]) for _ in range(3000)]  # bounded""",
     ),
     "scribbler": (
-        "ex3_data_parallel_gradients",
-        "data_parallel_gradients",
+        "ex3_data_parallel_forward",
+        "data_parallel_forward",
         """import resource
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     size = 2 * soft if soft != resource.RLIM_INFINITY else 512 * 1024**2

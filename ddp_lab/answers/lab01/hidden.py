@@ -1,12 +1,13 @@
 """What the grader adds to lab 1's kit judges: exact comparisons and diagnoses.
 
 - ex1: the balanced sizes of the batch a wrong split failed on;
-- ex3: which typical combination of the shard gradients came back (the plain average, the
-  sum), with the weights ``B_k / B`` of the case;
+- ex2: which typical combination came back (the plain average or the sum of the shard
+  gradients, this step's gradient added to the stale one, steps taken shard after shard,
+  the plain average of the shard losses), with the weights ``B_k / B`` of the case;
 - ex4: a variance that leaves out the spread of the shard means (the count-weighted mean of
   the shard variances);
-- ex5: every case compared with the exact cost model, and which term is missing, counted
-  twice or half-right.
+- ex5: every call compared with the exact cost model, and which term is missing, counted
+  twice, half-right, or modelled as one copy per device.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ddp_lab.answers import Hidden
 from ddp_lab.answers.lab01.references import (
-    reference_average_gradients,
+    shard_gradients,
     shard_sizes,
     step_time_terms,
     within_shard_variance,
 )
-from ddp_lab.checks.failure import CheckFailed, all_close, is_close
+from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab01 import ex1_split_batch as ex1
-from ddp_lab.checks.lab01 import ex3_data_parallel_gradients as ex3
+from ddp_lab.checks.lab01 import ex2_data_parallel_step as ex2
 from ddp_lab.checks.lab01 import ex4_combine_shard_stats as ex4
 from ddp_lab.checks.lab01 import ex5_dataparallel_step_time as ex5
-from ddp_lab.checks.lab01.common import ATOL, RTOL
+from ddp_lab.checks.lab01.common import TOLERANCE, close, model_of, param_names
 from ddp_lab.checks.values import number
 
 # --- exercise 1 ---------------------------------------------------------------------------
@@ -47,30 +49,110 @@ def _split_explain(inputs: dict, outputs: dict) -> str | None:
     return None
 
 
-# --- exercise 3 ---------------------------------------------------------------------------
+# --- exercise 2 ---------------------------------------------------------------------------
 
 
-def _gradients_explain(inputs: dict, outputs: dict) -> str | None:
-    """Name the plain average and the sum of the shard gradients."""
-    got = outputs.get("grads")
-    model = ex3.model_of(inputs)
-    shards = list(zip(inputs["xs"], inputs["ys"], strict=True))
-    per_shard = [ex3.full_batch_gradients(model, xk, yk) for xk, yk in shards]
-    sizes = [int(x.shape[0]) for x in inputs["xs"]]
-    weights = ", ".join(f"{s}/{sum(sizes)}" for s in sizes)
-    what = ex3.describe(inputs)
-    if all_close(got, reference_average_gradients(per_shard), ATOL, RTOL):
-        return (
-            f"{what}: you returned the plain average of the shard gradients. With unequal "
-            f"shards that is not the full-batch gradient: weight shard k by B_k / B "
-            f"(here {weights})"
+def _first_wrong(inputs: dict, outputs: dict) -> tuple[dict, dict] | None:
+    got = outputs.get("cases")
+    if not isinstance(got, list) or len(got) != len(inputs["cases"]):
+        return None
+    for case, result in zip(inputs["cases"], got, strict=True):
+        try:
+            ex2._check_case(case, result)
+        except CheckFailed:
+            return case, result
+        except Exception:  # noqa: BLE001 - malformed outputs: the kit's message stands
+            return None
+    return None
+
+
+def _sequential_state(case: dict, weight) -> dict[str, torch.Tensor]:
+    """The weights after stepping shard after shard (each replica copied from the weights
+    the previous shard's step left), each step scaled by ``weight(B_k)``."""
+    model = model_of(case, "float64")
+    for x, y in zip(case["xs"], case["ys"], strict=True):
+        if len(y) == 0:
+            continue
+        loss = F.cross_entropy(model(x.double()), y)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p -= case["lr"] * weight(len(y)) * g
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _step_explain(inputs: dict, outputs: dict) -> str | None:
+    """Name the typical wrong combinations on the first case that fails."""
+    found = _first_wrong(inputs, outputs)
+    if found is None:
+        return None
+    case, got = found
+    what, dtype = ex2.describe(case), case["dtype"]
+    sizes = ex2.sizes_of(case)
+    total = sum(sizes)
+    weights = ", ".join(f"{s}/{total}" for s in sizes if s)
+    model = model_of(case, "float64")
+    xs = [x.double() for x in case["xs"]]
+    per_shard = shard_gradients(model, list(zip(xs, case["ys"], strict=True)), F.cross_entropy)
+    stale = [case["stale"][n].double() for n in param_names(case)]
+    got_grads = got.get("grads") if isinstance(got.get("grads"), list) else []
+
+    def same(candidate) -> bool:
+        return len(got_grads) == len(candidate) and all(
+            close(g, e, dtype) for g, e in zip(got_grads, candidate, strict=True)
         )
-    summed = [torch.stack(g).sum(0) for g in zip(*per_shard, strict=True)]
-    if all_close(got, summed, ATOL, RTOL):
-        return (
-            f"{what}: you returned the sum of the shard gradients; weight shard k by B_k / B "
-            f"(here {weights}) so that the weights add up to 1"
-        )
+
+    count = len(per_shard)
+    loss, grads, after = ex2.oracle(case)
+    state = got.get("state") if isinstance(got.get("state"), dict) else {}
+    grads_ok = same(grads)
+    state_ok = set(state) == set(after) and all(close(state[k], after[k], dtype) for k in after)
+    if not grads_ok:
+        stacked = list(zip(*(g for _, _, g in per_shard), strict=True))
+        if count > 1 and same([sum(gs) / count for gs in stacked]):
+            return (
+                f"{what}: you returned the plain average of the shard gradients. With unequal "
+                "shards that is not the whole batch's gradient: a sample in a small shard "
+                "counts more than one in a big shard. Weight shard k by B_k / B (here "
+                f"{weights})"
+            )
+        if count > 1 and same([sum(gs) for gs in stacked]):
+            return (
+                f"{what}: you returned the sum of the shard gradients; weight shard k by "
+                f"B_k / B (here {weights}) so that the weights add up to 1"
+            )
+        if same(stale):
+            return (
+                f"{what}: your .grad still holds the gradient the model arrived with (the "
+                "previous step's). Leave this step's combined gradient in each parameter's "
+                ".grad, as DDP does"
+            )
+        if same([g + s for g, s in zip(grads, stale, strict=True)]):
+            return (
+                f"{what}: your .grad is this step's gradient plus the one the model arrived "
+                "with (the previous step's: backward() and += add to .grad). Replace .grad by "
+                "this step's combined gradient, or zero it first"
+            )
+    if not state_ok and count > 1:
+        for weight in (lambda b: b / total, lambda b: 1 / count, lambda b: 1.0):
+            moved = _sequential_state(case, weight)
+            if set(state) == set(moved) and all(close(state[k], moved[k], dtype) for k in moved):
+                return (
+                    f"{what}: you stepped after each shard, so every replica after the first "
+                    "started from weights the previous shard had already moved. In a "
+                    "data-parallel step the replicas all start from the same weights: "
+                    "combine the gradients first, then take one step"
+                )
+    value = number(got.get("loss"))
+    plain_loss = sum(shard_loss for _, shard_loss, _ in per_shard) / max(1, count)
+    atol, rtol = TOLERANCE[dtype]
+    loss_ok = abs(value - loss) <= atol + rtol * abs(loss)
+    if grads_ok and state_ok and not loss_ok and count > 1:
+        if abs(value - plain_loss) <= atol + rtol * abs(plain_loss):
+            return (
+                f"{what}: you returned the plain average of the replicas' losses; the mean "
+                f"loss over all {total} samples weights shard k by B_k / B (here {weights})"
+            )
     return None
 
 
@@ -79,17 +161,31 @@ def _gradients_explain(inputs: dict, outputs: dict) -> str | None:
 
 def _stats_explain(inputs: dict, outputs: dict) -> str | None:
     """A right mean with the count-weighted mean of the shard variances as the variance."""
-    got_mean, got_var = outputs.get("mean"), outputs.get("var")
-    samples = inputs["samples"]
-    if not is_close(got_mean, samples.mean(0), ATOL, RTOL):
-        return None  # the kit's message on the mean stands
-    within = within_shard_variance(inputs["variances"], inputs["counts"])
-    if is_close(got_var, within, ATOL, RTOL):
-        return (
-            f"{ex4.describe(inputs)}: your variance averages the shard variances and leaves "
-            "out how far the shard means lie from the batch mean; add "
-            "sum_k B_k (mean_k - mean)^2 / B"
-        )
+    got = outputs.get("cases")
+    if not isinstance(got, list) or len(got) != len(inputs["cases"]):
+        return None
+    for case, result in zip(inputs["cases"], got, strict=True):
+        mean, var = ex4.truth(case)
+        if not isinstance(result, dict):
+            return None
+        got_mean, got_var = result.get("mean"), result.get("var")
+        if ex4.within(got_mean, mean, ex4.mean_tolerance(case)) and ex4.within(
+            got_var, var, ex4.var_tolerance(case)
+        ):
+            continue
+        if not ex4.within(got_mean, mean, ex4.mean_tolerance(case)):
+            return None  # the kit's message on the mean stands
+        if float(case["ref"].abs().max()) >= 1e3:
+            return None  # far from 0: the kit names the rounding
+        inside = within_shard_variance(case["variances"].double(), case["counts"])
+        if ex4.within(got_var, inside, ex4.var_tolerance(case)):
+            return (
+                f"{ex4.describe(case)}: your variance averages the shard variances and leaves "
+                "out how far the shard means lie from the batch mean: the squared distance "
+                "of a sample to the batch mean is its distance to its shard's mean plus the "
+                "distance of that mean to the batch mean"
+            )
+        return None
     return None
 
 
@@ -98,9 +194,12 @@ def _stats_explain(inputs: dict, outputs: dict) -> str | None:
 _TERM_HINTS = {
     "compute": "the compute term compute_s / n",
     "replicate": (
-        "a parameter transfer, (n - 1) * param_bytes / bandwidth: nn.DataParallel copies the "
-        "weights to every device again at every step (replicate), and the gradients come "
-        "back to device 0 (reduce); count both"
+        "one of the two chain transfers of a step: the weights go out (replicate, "
+        "broadcast_coalesced) and the gradients come back (reduce_add_coalesced)"
+    ),
+    "reduce": (
+        "one of the two chain transfers of a step: the weights go out (replicate, "
+        "broadcast_coalesced) and the gradients come back (reduce_add_coalesced)"
     ),
     "scatter": "the scatter term (n - 1) / n * batch_bytes / bandwidth",
     "gather": (
@@ -111,34 +210,59 @@ _TERM_HINTS = {
 }
 
 
-def _diagnose_time(got: float, n: int, terms: dict[str, float]) -> str | None:
+def _alternatives(n: int, kw: dict, terms: dict[str, float]) -> list[tuple[float, str]]:
+    """``(time, diagnosis)`` of the classic wrong models of one call."""
+    p, c, bw = kw["param_bytes"], kw["chunk_bytes"], kw["bandwidth"]
     expected = sum(terms.values())
-    partial = {  # the classic half-right terms: what is missing, and why it is wrong
-        "python": (
-            terms["python"] * (n - 1) / n,
+    pipe = terms["replicate"]
+    return [
+        (
+            expected - 2 * pipe + 2 * (n - 1) * p / bw,
+            "your model sends one full copy per device, one after another ((n - 1) * "
+            "param_bytes / bandwidth each way). nn.DataParallel replicates with "
+            "broadcast_coalesced and reduces with reduce_add_coalesced, NCCL collectives "
+            "that pipeline chunks along the chain: about param_bytes / bandwidth whatever n",
+        ),
+        (
+            expected - 2 * pipe + 2 * p / bw,
+            "your pipeline ends when the last chunk leaves device 0; it still has n - 2 "
+            "links to go (the pipeline's fill): add (n - 2) chunks' time",
+        ),
+        (
+            expected - 2 * pipe + 2 * (p + (n - 2) * c) / bw,
+            "a model smaller than one chunk travels as one chunk of param_bytes, not "
+            "chunk_bytes: each of its n - 1 links takes param_bytes / bandwidth",
+        ),
+        (
+            expected - terms["python"] * (n - 1) / n,
             "the Python term counts one launch (host_s); the n threads launch one after "
             "another under the GIL: n * host_s",
         ),
-        "gather": (
-            terms["gather"] / 2,
+        (
+            expected - terms["gather"] / 2,
             "the output term counts the outputs once; their gradients go out again in "
             "backward: 2 (n - 1) / n * output_bytes / bandwidth",
         ),
-    }
-    for delta, hint in partial.values():
-        if delta > 1e-8 * expected and math.isclose(got, expected - delta, rel_tol=1e-9):
+    ]
+
+
+def _diagnose_time(got: float, n: int, kw: dict, terms: dict[str, float]) -> str | None:
+    expected = sum(terms.values())
+    for value, hint in _alternatives(n, kw, terms):
+        if not math.isclose(value, expected, rel_tol=1e-9) and math.isclose(
+            got, value, rel_tol=1e-9
+        ):
             return hint
     for name, value in terms.items():
-        key = "replicate" if name == "reduce" else name
         if value > 1e-8 * expected and math.isclose(got, expected - value, rel_tol=1e-9):
-            return f"your time leaves out {_TERM_HINTS[key]}"
+            return f"your time leaves out {_TERM_HINTS[name]}"
         if value > 1e-8 * expected and math.isclose(got, expected + value, rel_tol=1e-9):
-            return f"your time counts one term twice: {_TERM_HINTS[key]}"
+            return f"your time counts one term twice: {_TERM_HINTS[name]}"
     return None
 
 
 def _time_problem(inputs: dict, outputs: dict) -> str | None:
-    """A case whose time differs from the exact model: the first one whose difference names
+    """A call whose time differs from the exact model: the first one whose difference names
     a typical mistake, else the first one."""
     got_all = outputs.get("times")
     if not isinstance(got_all, list) or len(got_all) != len(inputs["cases"]):
@@ -153,7 +277,7 @@ def _time_problem(inputs: dict, outputs: dict) -> str | None:
         if not math.isclose(t, expected, rel_tol=1e-9, abs_tol=1e-15):
             parts = ", ".join(f"{k} {v:.4g}" for k, v in terms.items())
             said = f"{ex5.call(case)}: expected {expected:.6g} s ({parts}), got {t:.6g} s"
-            hint = _diagnose_time(t, case["n"], terms)
+            hint = _diagnose_time(t, case["n"], case["kwargs"], terms)
             if hint:
                 return f"{said}; {hint}"
             wrong.append(said)
@@ -167,7 +291,7 @@ def _time_check(inputs: dict, outputs: dict) -> None:
 
 HIDDEN = {
     "test_ex1_split_batch": Hidden(explain=_split_explain),
-    "test_ex3_data_parallel_gradients": Hidden(explain=_gradients_explain),
+    "test_ex2_data_parallel_step": Hidden(explain=_step_explain),
     "test_ex4_combine_shard_stats": Hidden(explain=_stats_explain),
     "test_ex5_dataparallel_step_time": Hidden(check=_time_check, explain=_time_problem),
 }

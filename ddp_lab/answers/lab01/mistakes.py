@@ -1,15 +1,17 @@
 """Typical wrong answers of lab 1, and what the grader must say about each.
 
-Each source replaces the whole solution cell (imports as in the release). The first
-mistake of each exercise is the one the sample class's ``mistake`` student submits.
+Each source replaces the whole solution cell (imports as in the release), written the way a
+student would write it. The first mistake of each exercise is the one the sample class's
+``mistake`` student submits. Exercises 4 and 5 keep theirs in
+:mod:`ddp_lab.answers.lab01.mistakes_stats_cost`.
 """
 
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab01.mistakes_stats_cost import EX4, EX5
 
-MISTAKES = [
-    # --- exercise 1: split_batch -----------------------------------------------------------
+_EX1 = [
     Mistake(
         "ex1_split_batch",
         "drops_the_remainder",  # B // n samples per shard: the remainder B % n is lost
@@ -81,60 +83,52 @@ def split_batch(x, y, n):
 """,
         "expected a list of",
     ),
-    # --- exercise 2: average_gradients -----------------------------------------------------
     Mistake(
-        "ex2_average_gradients",
-        "sums",  # the gradient of n times the loss
+        "ex1_split_batch",
+        "skips_empty_shards",  # fine until there are more replicas than samples
         """
 import torch
 
 
-def average_gradients(grads_per_replica):
-    return [torch.stack(grads).sum(0) for grads in zip(*grads_per_replica)]
+def split_batch(x, y, n):
+    index = torch.arange(x.shape[0])
+    parts = [p for p in index.tensor_split(n) if len(p) > 0]
+    return [(x[p], y[p]) for p in parts]
 """,
-        "sum of the replicas' gradients",
+        "get an empty shard",
     ),
+]
+
+_EX2 = [
     Mistake(
-        "ex2_average_gradients",
-        "keeps_replica_0",
-        """
-def average_gradients(grads_per_replica):
-    return list(grads_per_replica[0])
-""",
-        "replica 0's gradients",
-    ),
-    Mistake(
-        "ex2_average_gradients",
-        "averages_over_parameters",
-        """
-def average_gradients(grads_per_replica):
-    return [sum(g.sum() for g in grads) / len(grads) for grads in grads_per_replica]
-""",
-        "averaged gradient",
-    ),
-    # --- exercise 3: data_parallel_gradients -----------------------------------------------
-    Mistake(
-        "ex3_data_parallel_gradients",
-        "plain_average",  # replicas done right, but a plain average over unequal shards
+        "ex2_data_parallel_step",
+        "plain_average",  # replicas done right, but every shard counts the same
         """
 import copy
 
 import torch
 
 
-def data_parallel_gradients(model, shards, loss_fn):
-    per_replica = []
+def data_parallel_step(model, shards, loss_fn, lr):
+    grads, losses = [], []
     for xk, yk in shards:
         replica = copy.deepcopy(model)
         replica.zero_grad()
-        loss_fn(replica(xk), yk).backward()
-        per_replica.append([p.grad for p in replica.parameters()])
-    return [torch.stack(g).mean(0) for g in zip(*per_replica)]
+        out = loss_fn(replica(xk), yk)
+        out.backward()
+        losses.append(out.item())
+        grads.append([p.grad.clone() for p in replica.parameters()])
+    avg = [torch.stack(g).mean(dim=0) for g in zip(*grads)]
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), avg):
+            p.grad = g
+            p.sub_(lr * g)
+    return sum(losses) / len(losses)
 """,
         "plain average of the shard gradients",
     ),
     Mistake(
-        "ex3_data_parallel_gradients",
+        "ex2_data_parallel_step",
         "sums_the_shards",
         """
 import copy
@@ -142,143 +136,309 @@ import copy
 import torch
 
 
-def data_parallel_gradients(model, shards, loss_fn):
-    out = [torch.zeros_like(p) for p in model.parameters()]
-    for xk, yk in shards:
-        replica = copy.deepcopy(model)
-        loss_fn(replica(xk), yk).backward()
-        for acc, p in zip(out, replica.parameters()):
-            acc += p.grad
-    return out
+def data_parallel_step(model, shards, loss_fn, lr):
+    total_loss = 0
+    summed = None
+    for x_k, y_k in shards:
+        if len(x_k) == 0:
+            continue
+        r = copy.deepcopy(model)
+        l = loss_fn(r(x_k), y_k)
+        g = torch.autograd.grad(l, list(r.parameters()))
+        summed = list(g) if summed is None else [a + b for a, b in zip(summed, g)]
+        total_loss += l.item()
+    for p, g in zip(model.parameters(), summed):
+        p.grad = g
+        p.data -= lr * g
+    return total_loss
 """,
         "sum of the shard gradients",
     ),
     Mistake(
-        "ex3_data_parallel_gradients",
-        "shares_the_model_and_accumulates",
+        "ex2_data_parallel_step",
+        "accumulates_onto_the_stale_grad",
         """
 import torch
 
 
-def data_parallel_gradients(model, shards, loss_fn):
-    total = sum(len(xk) for xk, _ in shards)
-    combined = [torch.zeros_like(p) for p in model.parameters()]
-    for xk, yk in shards:
-        loss_fn(model(xk), yk).backward()  # no copy, no zero_grad
-        for acc, p in zip(combined, model.parameters()):
-            acc += p.grad * (len(xk) / total)
-    return combined
+def data_parallel_step(model, shards, loss_fn, lr):
+    n_total = sum(len(t) for _, t in shards)
+    running = 0.0
+    for inputs, targets in shards:
+        if not len(targets):
+            continue
+        piece = loss_fn(model(inputs), targets) * (len(targets) / n_total)
+        piece.backward()  # the shards' gradients add up in model's .grad
+        running += float(piece)
+    with torch.no_grad():
+        for w in model.parameters():
+            w -= lr * w.grad
+    return running
 """,
-        "expected the full-batch gradient",
+        "the one the model arrived with",
     ),
     Mistake(
-        "ex3_data_parallel_gradients",
-        "leaves_gradients_in_the_model",
+        "ex2_data_parallel_step",
+        "steps_after_each_shard",
+        """
+import copy
+
+import torch
+
+
+def data_parallel_step(model, shards, loss_fn, lr):
+    B = sum(y.shape[0] for _, y in shards)
+    loss_total = 0.0
+    for xb, yb in shards:
+        if yb.shape[0] == 0:
+            continue
+        replica = copy.deepcopy(model)
+        loss = loss_fn(replica(xb), yb)
+        loss.backward()
+        frac = yb.shape[0] / B
+        loss_total += frac * loss.item()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), replica.parameters()):
+                p.grad = frac * q.grad
+                p -= lr * p.grad
+    return loss_total
+""",
+        "start from the same weights",
+    ),
+    Mistake(
+        "ex2_data_parallel_step",
+        "runs_the_empty_shards",
+        """
+import copy
+
+import torch
+
+
+def data_parallel_step(model, shards, loss_fn, lr):
+    sizes = [len(y) for _, y in shards]
+    B = sum(sizes)
+    new_grads = [torch.zeros_like(p) for p in model.parameters()]
+    loss_value = 0.0
+    for (x, y), size in zip(shards, sizes):
+        rep = copy.deepcopy(model)
+        l = loss_fn(rep(x), y)
+        rep_grads = torch.autograd.grad(l, tuple(rep.parameters()))
+        for acc, g in zip(new_grads, rep_grads):
+            acc.add_(g, alpha=size / B)
+        loss_value += l.item() * size / B
+    for p, g in zip(model.parameters(), new_grads):
+        p.grad = g
+        p.data.add_(g, alpha=-lr)
+    return loss_value
+""",
+        "replicas with no data",
+    ),
+    Mistake(
+        "ex2_data_parallel_step",
+        "one_pass_over_the_whole_batch",
         """
 import torch
 
 
-def data_parallel_gradients(model, shards, loss_fn):
-    total = sum(len(xk) for xk, _ in shards)
-    combined = [torch.zeros_like(p) for p in model.parameters()]
-    for xk, yk in shards:
-        model.zero_grad()
-        loss_fn(model(xk), yk).backward()
-        for acc, p in zip(combined, model.parameters()):
-            acc += p.grad * (len(xk) / total)
-    return combined
+def data_parallel_step(model, shards, loss_fn, lr):
+    x = torch.cat([s[0] for s in shards])
+    y = torch.cat([s[1] for s in shards])
+    model.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return loss.item()
 """,
-        "now holds gradients",
+        "run one replica per shard",
     ),
-    # --- exercise 4: combine_shard_stats ---------------------------------------------------
     Mistake(
-        "ex4_combine_shard_stats",
-        "plain_averages",  # ignores the counts and the spread of the shard means
+        "ex2_data_parallel_step",
+        "plain_average_of_the_losses",
         """
+import copy
+
 import torch
 
 
-def combine_shard_stats(means, variances, counts):
-    return means.mean(0), variances.mean(0)
+def data_parallel_step(model, shards, loss_fn, lr):
+    total = sum(len(y) for _, y in shards)
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    losses = []
+    for x, y in shards:
+        if len(y):
+            replica = copy.deepcopy(model)
+            loss = loss_fn(replica(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            for g, p in zip(grads, replica.parameters()):
+                g += p.grad * len(y) / total
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+            p -= lr * g
+    return sum(losses) / len(losses)
 """,
-        "plain average of the shard means",
+        "plain average of the replicas' losses",
     ),
     Mistake(
-        "ex4_combine_shard_stats",
-        "variance_without_the_spread_of_means",
+        "ex2_data_parallel_step",
+        "steps_without_the_grad",
         """
+import copy
+
 import torch
 
 
-def combine_shard_stats(means, variances, counts):
-    w = counts.to(means.dtype).unsqueeze(1) / counts.sum()
-    return (w * means).sum(0), (w * variances).sum(0)
+def data_parallel_step(model, shards, loss_fn, lr):
+    total = sum(len(y) for _, y in shards)
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    loss = 0.0
+    for x, y in shards:
+        if len(y):
+            replica = copy.deepcopy(model)
+            part = loss_fn(replica(x), y) * len(y) / total
+            part.backward()
+            loss += part.item()
+            for g, p in zip(grads, replica.parameters()):
+                g += p.grad
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads):
+            p -= lr * g
+    return loss
 """,
-        "leaves out how far the shard means lie",
-    ),
-    Mistake(
-        "ex4_combine_shard_stats",
-        "unbiased_variance",
-        """
-import torch
-
-
-def combine_shard_stats(means, variances, counts):
-    b = counts.sum()
-    w = counts.to(means.dtype).unsqueeze(1) / b
-    mean = (w * means).sum(0)
-    var = (w * (variances + (means - mean) ** 2)).sum(0)
-    return mean, var * b / (b - 1)
-""",
-        "unbiased variance",
-    ),
-    Mistake(
-        "ex4_combine_shard_stats",
-        "ignores_the_counts",
-        """
-import torch
-
-
-def combine_shard_stats(means, variances, counts):
-    mean = means.mean(0)
-    return mean, (variances + (means - mean) ** 2).mean(0)
-""",
-        "plain average of the shard means",
-    ),
-    # --- exercise 5: dataparallel_step_time ------------------------------------------------
-    Mistake(
-        "ex5_dataparallel_step_time",
-        "forgets_replication",  # the weights are copied to every device at every step
-        """
-def dataparallel_step_time(n, *, compute_s, param_bytes, batch_bytes, output_bytes,
-                           bandwidth, host_s):
-    reduce = (n - 1) * param_bytes / bandwidth
-    scatter = (n - 1) / n * batch_bytes / bandwidth
-    gather = 2 * (n - 1) / n * output_bytes / bandwidth
-    return compute_s / n + reduce + scatter + gather + n * host_s
-""",
-        "leaves out a parameter transfer",
-    ),
-    Mistake(
-        "ex5_dataparallel_step_time",
-        "forgets_the_gil",
-        """
-def dataparallel_step_time(n, *, compute_s, param_bytes, batch_bytes, output_bytes,
-                           bandwidth, host_s):
-    return (compute_s / n + 2 * (n - 1) * param_bytes / bandwidth
-            + (n - 1) / n * (batch_bytes + 2 * output_bytes) / bandwidth + host_s)
-""",
-        "the n threads launch one after another under the GIL: n * host_s",
-    ),
-    Mistake(
-        "ex5_dataparallel_step_time",
-        "gathers_outputs_once",
-        """
-def dataparallel_step_time(n, *, compute_s, param_bytes, batch_bytes, output_bytes,
-                           bandwidth, host_s):
-    return (compute_s / n + 2 * (n - 1) * param_bytes / bandwidth
-            + (n - 1) / n * (batch_bytes + output_bytes) / bandwidth + n * host_s)
-""",
-        "their gradients go out again in backward",
+        "still holds the gradient the model arrived with",
     ),
 ]
+
+_EX3 = [
+    Mistake(
+        "ex3_data_parallel_forward",
+        "deepcopy_replicas",  # outputs right, but module never receives a gradient
+        """
+import copy
+import threading
+
+import torch
+
+
+def data_parallel_forward(module, x, n):
+    chunks = x.chunk(n)
+    copies = [copy.deepcopy(module) for _ in chunks]
+    results = {}
+
+    def run(i):
+        results[i] = copies[i](chunks[i])
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(chunks))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return torch.cat([results[i] for i in range(len(chunks))])
+""",
+        "not connected to module's in autograd",
+    ),
+    Mistake(
+        "ex3_data_parallel_forward",
+        "one_thread",
+        """
+import copy
+
+import torch
+
+
+def data_parallel_forward(module, x, n):
+    outs = []
+    for piece in torch.chunk(x, n):
+        replica = copy.deepcopy(module)
+        weights = {name: w.clone() for name, w in module.named_parameters()}
+        outs.append(torch.func.functional_call(replica, weights, (piece,)))
+    return torch.cat(outs)
+""",
+        "parallel_apply starts one thread per replica",
+    ),
+    Mistake(
+        "ex3_data_parallel_forward",
+        "threads_share_the_module",
+        """
+import threading
+
+import torch
+
+
+def data_parallel_forward(module, x, n):
+    pieces = torch.chunk(x, n)
+    outs = [None] * len(pieces)
+
+    def job(i):
+        outs[i] = module(pieces[i])
+
+    ts = [threading.Thread(target=job, args=(i,)) for i in range(len(pieces))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return torch.cat(outs)
+""",
+        "own parameter tensors",
+    ),
+    Mistake(
+        "ex3_data_parallel_forward",
+        "drops_the_remainder",
+        """
+import copy
+import threading
+
+import torch
+
+
+def data_parallel_forward(module, x, n):
+    size = x.shape[0] // n
+    pieces = [x[i * size:(i + 1) * size] for i in range(n)]
+    outs = [None] * n
+
+    def job(i):
+        params = {k: v.clone() for k, v in module.named_parameters()}
+        outs[i] = torch.func.functional_call(copy.deepcopy(module), params, (pieces[i],))
+
+    ts = [threading.Thread(target=job, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return torch.cat(outs)
+""",
+        "expected outputs of shape",
+    ),
+    Mistake(
+        "ex3_data_parallel_forward",
+        "detached_clones",
+        """
+import copy
+import threading
+
+import torch
+
+
+def data_parallel_forward(module, x, n):
+    pieces = torch.chunk(x, n)
+    outs = [None] * len(pieces)
+
+    def job(i):
+        params = {k: v.detach().clone() for k, v in module.named_parameters()}
+        outs[i] = torch.func.functional_call(copy.deepcopy(module), params, (pieces[i],))
+
+    ts = [threading.Thread(target=job, args=(i,)) for i in range(len(pieces))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return torch.cat(outs)
+""",
+        "not connected to module's in autograd",
+    ),
+]
+
+MISTAKES = [*_EX1, *_EX2, *_EX3, *EX4, *EX5]

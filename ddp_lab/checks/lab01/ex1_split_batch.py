@@ -3,9 +3,13 @@
 The judge checks properties only (no split is computed here): ``n`` pairs ``(x_k, y_k)``
 that keep every dimension but the first, as many inputs as targets in each shard, every
 sample exactly once and in order (the shards concatenated give back ``x`` and ``y``), and
-sizes that differ by at most one. The case set: a batch with a remainder of 2 .. n - 2
-(giving it all to one shard, or ``torch.chunk``, is then unbalanced), a batch that divides
-evenly, and ``n + 1`` samples into ``n`` shards (``torch.chunk`` gives fewer than ``n``).
+sizes that differ by at most one. The fixed case set, random values inside: one shard
+(``n = 1``), two shards of an odd batch, three shards with a remainder, ``n`` = 4 to 7 with
+a remainder of 2 .. n - 2 (giving it all to one shard, or ``torch.chunk``, is then
+unbalanced), a batch that divides evenly, ``n + 1`` samples into ``n`` shards
+(``torch.chunk`` gives fewer than ``n``), and more shards than samples (some replicas get
+no data: empty shards of shape ``(0, ...)``); image-shaped float32 inputs and float64
+feature vectors.
 """
 
 from __future__ import annotations
@@ -19,31 +23,42 @@ from ddp_lab.checks.failure import CheckFailed, require
 from ddp_lab.checks.values import kind, plain, randint
 
 
-def _case(gen: torch.Generator, batch: int, n: int) -> dict:
-    features = randint(gen, 1, 4)
-    return {
-        "x": torch.randn(batch, features, generator=gen, dtype=torch.float64),
-        "y": torch.randint(0, 10, (batch,), generator=gen),
-        "n": n,
-    }
+def _case(gen: torch.Generator, batch: int, n: int, image: bool = False) -> dict:
+    if image:  # (B, C, H, W) float32, like a batch of pictures
+        x = torch.randn(batch, 3, 2, 2, generator=gen)
+    else:
+        x = torch.randn(batch, randint(gen, 1, 4), generator=gen, dtype=torch.float64)
+    return {"x": x, "y": torch.randint(0, 10, (batch,), generator=gen), "n": n}
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """Three batches: uneven (remainder 2 .. n - 2), even, and ``n + 1`` into ``n``."""
+    """Seven batches: one shard, two, three with a remainder, many with a remainder of
+    2 .. n - 2, an even split, ``n + 1`` into ``n``, and more shards than samples."""
     # A remainder of 2 .. n - 2: with a remainder of 1, giving it all to the last shard is
     # balanced too, and with n - 1, torch.chunk's n - 1 shards of ceil(B / n) plus a smaller
     # one are; either mistake would then pass this batch.
     n = randint(gen, 4, 7)
     uneven = n * randint(gen, 1, 5) + randint(gen, 2, n - 2)
     n2 = randint(gen, 3, 6)
-    even = n2 * randint(gen, 2, 5)
     n3 = randint(gen, 3, 8)
-    return {"batches": [_case(gen, uneven, n), _case(gen, even, n2), _case(gen, n3 + 1, n3)]}
+    few = randint(gen, 1, 3)
+    return {
+        "batches": [
+            _case(gen, randint(gen, 2, 9), 1),
+            _case(gen, 2 * randint(gen, 1, 5) + 1, 2, image=True),
+            _case(gen, 3 * randint(gen, 1, 4) + randint(gen, 1, 2), 3),
+            _case(gen, uneven, n, image=True),
+            _case(gen, n2 * randint(gen, 2, 5), n2),
+            _case(gen, n3 + 1, n3),
+            _case(gen, few, few + randint(gen, 1, 3), image=True),
+        ]
+    }
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
-    """10 into 4, 8 into 4, 6 into 4 and 7 into 1."""
-    return {"batches": [_case(gen, b, n) for b, n in ((10, 4), (8, 4), (6, 4), (7, 1))]}
+    """10 into 4, 8 into 4, 6 into 4, 7 into 1 and 2 into 3."""
+    cases = ((10, 4), (8, 4), (6, 4), (7, 1), (2, 3))
+    return {"batches": [_case(gen, b, n) for b, n in cases]}
 
 
 def run(ns: dict, inputs: dict, workdir: Path | None) -> dict:
@@ -89,12 +104,21 @@ def check_batch(x: torch.Tensor, y: torch.Tensor, n: int, shards) -> list[int]:
     sizes = [int(p[0].shape[0]) for p in shards]
     chunked = _chunk_sizes(batch, n)
     require(
-        sizes != chunked or (len(sizes) == n and max(sizes) - min(sizes) <= 1),
+        sizes != chunked or batch < n or (len(sizes) == n and max(sizes) - min(sizes) <= 1),
         f"{case}: your shards have the sizes torch.chunk makes, {sizes}: chunks of "
         f"ceil(B / n) = {chunked[0]} leave the last shard short (or missing). Sizes must "
         "differ by at most one",
     )
-    require(len(sizes) == n, f"{case}: expected {n} shards (one per replica), got {len(sizes)}")
+    require(
+        len(sizes) == n,
+        f"{case}: expected {n} shards (one per replica), got {len(sizes)}"
+        + (
+            f"; with more replicas than samples, {n - batch} replicas get an empty shard "
+            f"(x[{batch}:{batch}] has shape (0, ...))"
+            if n > batch
+            else ""
+        ),
+    )
     total = sum(sizes)
     remainder = (
         f" {batch} is not a multiple of {n}: the remainder {batch % n} must go into some shards"
