@@ -1,0 +1,93 @@
+"""What lab 7's exercises share: the lab's name, its files, groups of ranks, and counting
+the collectives a piece of code calls.
+
+None of this is an answer to an exercise: the groups are what the checker hands the
+student's code, and :func:`counted_collectives` only watches it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ddp_lab.checks.guards import COLLECTIVES
+
+LAB = "lab07_beyond_ddp"
+
+#: Files the notebook's distributed solution cells write (``%%writefile``).
+ZERO_FILE, PIPELINE_FILE, TP_FILE = "zero.py", "pipeline.py", "tp.py"
+#: What the exercises ask students to write themselves (the solution cells may not use it).
+BUILT_INS = (
+    "torch.distributed.optim",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor",
+    "torch.distributed._composable",
+)
+#: Seconds one call of the student's code may take before the rank ends with a diagnosis.
+WATCHDOG_S = 30.0
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def groups_for(sizes, world: int) -> dict[int, object]:
+    """``{n: process group of ranks 0 .. n-1}`` for every ``n`` in ``sizes`` below ``world``.
+
+    Every rank must call this (creating a group is a collective of the whole job).
+    """
+    wanted = sorted({n for n in sizes if n < world})
+    return {n: dist.new_group(list(range(n))) for n in wanted}
+
+
+def release(token_sizes, rank: int, world: int) -> None:
+    """The ranks outside a group of ``n`` wait for rank 0's word that the group is done
+    (a point-to-point message, which no collective of the student's can answer)."""
+    token = torch.zeros(1)
+    for n in sorted({n for n in token_sizes if n < world}):
+        if rank == 0:
+            for r in range(n, world):
+                dist.send(token, dst=r)
+        elif rank >= n:
+            dist.recv(token, src=0)
+
+
+@contextmanager
+def counted_collectives(counts: Counter) -> Iterator[None]:
+    """While the block runs, every ``torch.distributed`` collective the code calls adds 1 to
+    ``counts[name]`` and then runs as usual (in ``torch.distributed`` and
+    ``distributed_c10d``, so that a name imported from either is counted; a collective
+    that calls another one inside counts once)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = []
+    inside = [0]  # a collective that calls another one counts once
+    for name in COLLECTIVES:
+        original = getattr(c10d, name, None) or getattr(dist, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            if not inside[0]:
+                counts[_name] += 1
+            inside[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+
+        for module in (dist, c10d):
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, counting)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def randn(gen: torch.Generator, *shape: int, dtype=torch.float64, scale: float = 1.0):
+    """Normal values of ``shape``, drawn in float64 and cast (the same values for both
+    dtypes of a draw)."""
+    return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)

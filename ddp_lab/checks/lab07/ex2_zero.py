@@ -1,0 +1,290 @@
+"""Exercise 2: ``ShardedAdamW`` in ``zero.py``, AdamW with its state sharded over the ranks.
+
+Every rank of a group builds the student's optimizer over the same parameters; before each
+``step()`` the checker puts into every parameter's ``.grad`` this rank's own gradient (as
+after a backward pass on this rank's batch). The optimizer averages the gradients over the
+group, clips them by their global norm when it has a ``max_norm``, updates the part of the
+flat parameter vector this rank owns with AdamW, and gathers the parts so that every rank
+holds all the new parameters.
+
+The oracle is ``torch.optim.AdamW`` itself on one process: the gradients averaged over the
+ranks, ``torch.nn.utils.clip_grad_norm_`` when there is a ``max_norm``, then ``step()``.
+Every rank's parameters must equal it after every step (to 1e-6 in float32, 1e-9 in
+float64), and between steps the optimizer may hold about three chunks' worth of tensors per
+rank (its part of the parameters and their two moments), measured by walking every tensor
+reachable from the object (:func:`ddp_lab.parallel.memory.held_bytes`), not the model's own
+parameters and gradients.
+
+Case set, in one torchrun job of 3 ranks (each job costs seconds): three runs over all 3
+ranks (float32 with ``N`` not divisible by 3 and a one-number parameter; a tiny float64
+parameter of 2 numbers, so one rank owns nothing; float32 with clipping), then two over a
+group of ranks 0 and 1 (float64 with odd ``N`` and clipping; float32 without), 10 steps
+each. The clipping threshold is the median of the steps' gradient norms (some steps clip,
+some do not); ``eps`` is of the order of the gradients, so that AdamW is not blind to the
+gradients' scale.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+from torch import nn
+
+from ddp_lab.checks import guards
+from ddp_lab.checks.contract import Exercise
+from ddp_lab.checks.failure import CheckFailed
+from ddp_lab.checks.lab07.common import (
+    BUILT_INS,
+    DTYPES,
+    WATCHDOG_S,
+    ZERO_FILE,
+    groups_for,
+    randn,
+    release,
+)
+from ddp_lab.checks.values import kind, log_uniform, randint, uniform
+from ddp_lab.parallel.memory import held_bytes
+
+STEPS = 10
+ATOL = {"float32": 1e-6, "float64": 1e-9}
+#: Bytes beyond three chunks an optimizer may hold (step counters, scalars).
+SLACK = 512
+
+
+def _shapes(gen: torch.Generator, ranks: int, want_divisible: bool) -> list[list[int]]:
+    """An MLP's shapes with a one-number parameter; ``N`` divisible by ``ranks`` or not."""
+    while True:
+        d, h, c = randint(gen, 8, 16), randint(gen, 24, 48), randint(gen, 3, 8)
+        shapes = [[h, d], [h], [1], [c, h], [c]]
+        n = sum(math.prod(s) for s in shapes)
+        if (n % ranks == 0) == want_divisible:
+            return shapes
+
+
+def _run(gen, ranks: int, dtype: str, shapes, clip: bool) -> dict:
+    dt = DTYPES[dtype]
+    scale = log_uniform(gen, 1e-3, 1e-1)
+    init = [randn(gen, *s, dtype=dt) for s in shapes]
+    per_tensor = [scale * 2.0 ** randint(gen, -3, 3) for _ in shapes]
+    grads = [
+        [
+            [randn(gen, *s, dtype=dt, scale=k) for s, k in zip(shapes, per_tensor, strict=True)]
+            for _ in range(ranks)
+        ]
+        for _ in range(STEPS)
+    ]
+    max_norm = None
+    if clip:  # half of the steps clip
+        norms = [
+            float(
+                torch.cat([torch.stack(g).mean(0).reshape(-1) for g in zip(*step, strict=True)])
+                .double()
+                .norm()
+            )
+            for step in grads
+        ]
+        max_norm = statistics.median(norms)
+    return {
+        "ranks": ranks,
+        "dtype": dtype,
+        "shapes": shapes,
+        "init": init,
+        "grads": grads,
+        "lr": log_uniform(gen, 1e-3, 3e-2),
+        "betas": [uniform(gen, 0.8, 0.95), uniform(gen, 0.95, 0.999)],
+        "eps": scale * uniform(gen, 0.3, 3.0),
+        "weight_decay": uniform(gen, 0.0, 0.1),
+        "max_norm": max_norm,
+    }
+
+
+def make_inputs(gen: torch.Generator) -> dict:
+    """One job of 3 ranks: three runs over all of them, then two over ranks 0 and 1."""
+    runs = [
+        _run(gen, 3, "float32", _shapes(gen, 3, False), clip=False),
+        _run(gen, 3, "float64", [[2]], clip=True),
+        _run(gen, 3, "float32", _shapes(gen, 3, True), clip=True),
+        _run(gen, 2, "float64", _shapes(gen, 2, False), clip=True),
+        _run(gen, 2, "float32", _shapes(gen, 2, True), clip=False),
+    ]
+    return {"cases": [{"world_size": 3, "runs": runs}]}
+
+
+def visible_inputs(gen: torch.Generator) -> dict:
+    """One job of 3 ranks: an uneven float32 run over all 3, a clipped float64 run over the
+    group of ranks 0 and 1."""
+    runs = [
+        _run(gen, 3, "float32", _shapes(gen, 3, False), clip=False),
+        _run(gen, 2, "float64", _shapes(gen, 2, False), clip=True),
+    ]
+    return {"cases": [{"world_size": 3, "runs": runs}]}
+
+
+def flat(params) -> torch.Tensor:
+    """All parameters, flattened and concatenated (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in params]).clone()
+
+
+def _one_run(cls, spec: dict, rank: int, group) -> dict:
+    params = [nn.Parameter(t.clone()) for t in spec["init"]]
+    n = spec["ranks"]
+
+    def hung() -> str:
+        where = f"a group of {n} of the job's ranks" if group is not None else "every rank"
+        return (
+            f"ShardedAdamW did not return within {WATCHDOG_S:g} s on rank {rank} ({where}): "
+            "does every rank call the same collectives in the same order, also a rank that "
+            "owns nothing? (and pass group=self.group, or whatever you named it, to each one)"
+        )
+
+    with guards.call_watchdog(WATCHDOG_S, hung):
+        opt = cls(
+            params,
+            lr=spec["lr"],
+            betas=tuple(spec["betas"]),
+            eps=spec["eps"],
+            weight_decay=spec["weight_decay"],
+            max_norm=spec["max_norm"],
+            group=group,
+        )
+    after = []
+    for step in spec["grads"]:
+        for p, g in zip(params, step[rank], strict=True):
+            p.grad = g.clone()
+        with guards.call_watchdog(WATCHDOG_S, hung):
+            opt.step()
+        after.append(flat(params))
+    held = held_bytes(opt, exclude=[*params, *(p.grad for p in params)])
+    return {"params": after, "held": held}
+
+
+def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
+    """The student's ``ShardedAdamW`` on this rank, once per run it takes part in (``None``
+    for the others); runs over fewer ranks than the job's get ``group``, a process group of
+    ranks ``0 .. n-1``."""
+    cls = guards.load_student_file(ZERO_FILE)["ShardedAdamW"]
+    sizes = [spec["ranks"] for spec in case["runs"]]
+    groups = groups_for(sizes, world)
+    out = [
+        _one_run(cls, spec, rank, groups.get(spec["ranks"])) if rank < spec["ranks"] else None
+        for spec in case["runs"]
+    ]
+    release(sizes, rank, world)
+    return out
+
+
+def oracle(spec: dict, grads_of=None) -> list[torch.Tensor]:
+    """``torch.optim.AdamW`` on one process: the flat parameters after every step.
+
+    ``grads_of(step)`` replaces the averaged gradients (the hidden diagnoses use it)."""
+    params = [nn.Parameter(t.clone()) for t in spec["init"]]
+    opt = torch.optim.AdamW(
+        params,
+        lr=spec["lr"],
+        betas=tuple(spec["betas"]),
+        eps=spec["eps"],
+        weight_decay=spec["weight_decay"],
+    )
+    out = []
+    for s, step in enumerate(spec["grads"]):
+        mean = [torch.stack(g).mean(0) for g in zip(*step, strict=True)]
+        for p, g in zip(params, grads_of(s) if grads_of else mean, strict=True):
+            p.grad = g
+        if spec["max_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec["max_norm"])
+        opt.step()
+        out.append(flat(params))
+    return out
+
+
+def run_text(spec: dict) -> str:
+    """``"3 ranks, N = 1,234 float32 numbers in 5 tensors, clipped at 0.12"``."""
+    n = sum(math.prod(s) for s in spec["shapes"])
+    clip = f", clipped at max_norm {spec['max_norm']:.3g}" if spec["max_norm"] else ""
+    return (
+        f"{spec['ranks']} ranks, N = {n:,} {spec['dtype']} numbers in {len(spec['shapes'])} "
+        f"tensors{clip}"
+    )
+
+
+def bound(spec: dict) -> int:
+    """The most bytes the optimizer may hold per rank: three chunks, plus :data:`SLACK`."""
+    n = sum(math.prod(s) for s in spec["shapes"])
+    size = torch.empty((), dtype=DTYPES[spec["dtype"]]).element_size()
+    return 3 * -(-n // spec["ranks"]) * size + SLACK
+
+
+def params_problem(spec: dict, outs: list) -> str | None:
+    """Where some rank's parameters leave AdamW's, or None."""
+    want = oracle(spec)
+    tol = ATOL[spec["dtype"]]
+    for rank, o in enumerate(outs):
+        if not isinstance(o, dict) or not isinstance(o.get("params"), list):
+            return f"{run_text(spec)}: rank {rank} returned {kind(o)}"
+        if len(o["params"]) != len(want):
+            return f"{run_text(spec)}: rank {rank} took {len(o['params'])} steps"
+        for s, (got, expected) in enumerate(zip(o["params"], want, strict=True)):
+            if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+                return f"{run_text(spec)}: rank {rank}'s parameters changed shape at step {s}"
+            diff = (got.double() - expected.double()).abs()
+            worst = float(torch.nan_to_num(diff, nan=math.inf).max())
+            if worst > tol:
+                i = int(torch.nan_to_num(diff, nan=math.inf).argmax())
+                return (
+                    f"{run_text(spec)}: after step {s + 1}, rank {rank}'s parameters differ "
+                    f"from torch.optim.AdamW's on the averaged gradients by {worst:.3g} "
+                    f"(allowed {tol:g}), e.g. number {i} of the flat vector: expected "
+                    f"{float(expected[i]):.8g}, got {float(got[i]):.8g}"
+                )
+    return None
+
+
+def memory_problem(spec: dict, outs: list) -> str | None:
+    """A rank whose optimizer holds more than three chunks' worth, or None."""
+    limit = bound(spec)
+    n = sum(math.prod(s) for s in spec["shapes"])
+    size = torch.empty((), dtype=DTYPES[spec["dtype"]]).element_size()
+    for rank, o in enumerate(outs):
+        if o["held"] > limit:
+            return (
+                f"{run_text(spec)}: between steps your ShardedAdamW holds {o['held']:,} bytes "
+                f"of tensors on rank {rank} (everything reachable from it, but the model's "
+                f"parameters and gradients); a rank's chunk is {-(-n // spec['ranks']):,} "
+                f"numbers, so ZeRO keeps about three chunks (the chunk and its two moments), "
+                f"at most {limit:,} bytes; unsharded AdamW would hold {2 * n * size:,}. Keep "
+                "only this rank's chunk between steps (a slice keeps its whole tensor alive: "
+                ".clone() it), and no full-size buffer"
+            )
+    return None
+
+
+def judge(inputs: dict, outputs: dict) -> str:
+    """Every rank equal to AdamW after every step, and about 1/N of its state per rank."""
+    for case, ranks in zip(inputs["cases"], outputs["cases"], strict=True):
+        for r, spec in enumerate(case["runs"]):
+            outs = [rank_out[r] if len(rank_out) > r else None for rank_out in ranks]
+            outs = outs[: spec["ranks"]]
+            if why := params_problem(spec, outs) or memory_problem(spec, outs):
+                raise CheckFailed(why)
+    worlds = " and ".join(sorted({str(s["ranks"]) for c in inputs["cases"] for s in c["runs"]}))
+    return (
+        f"ShardedAdamW equals torch.optim.AdamW after each of {STEPS} steps on {worlds} ranks "
+        "(float32 and float64, uneven chunks, clipping by the global norm), holding about "
+        "1/N of AdamW's state per rank"
+    )
+
+
+EXERCISE = Exercise(
+    "test_ex2_zero",
+    ("ex2_zero",),
+    "a sharded AdamW (ZeRO) equal to AdamW",
+    make_inputs,
+    judge,
+    run_rank=run_rank,
+    forbid_modules=BUILT_INS,
+    timeout=120,
+    visible_inputs=visible_inputs,
+    files=(ZERO_FILE,),
+)

@@ -1,0 +1,490 @@
+"""Lab 7 (beyond data parallelism): its checks and the facts they rest on.
+
+- the case sets cover every edge case in every draw (200 seeds, inputs only);
+- over 200 seeds, the judges (kit oracle + the grader's hidden part) accept the right
+  outputs and reject each typical wrong one, built without student processes;
+- on real ranks (one gloo job of 3 processes per exercise): the reference and the notebook's
+  solution pass: the sharded AdamW equals ``torch.optim.AdamW`` to 1e-6 after 10 steps on 2
+  and 3 ranks, the pipeline equals the unsplit model, the tensor-parallel layers equal
+  ``nn.Linear`` forward and backward; every other mistake fails with its reason;
+- the visible checks pass on the solutions and fail on a mistake with its message;
+- facts: FSDP2 (``fully_shard``) runs on the CPU with gloo and trains DDP's weights with a
+  half of the memory per rank on 2 ranks; an ideal GPipe schedule's bubble is
+  ``(p - 1) / (m + p - 1)``; the memory walker counts storages; a deadlocking pipeline is
+  stopped and leaves no process.
+
+The real grader runs (full marks, zero, mistakes, cheat) are in ``test_grading.py`` and
+``test_mistakes.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import assert_verdicts, new_leftovers, solution_sources, spawn_gloo
+
+from ddp_lab.answers import full_judge
+from ddp_lab.answers.lab07 import HIDDEN, MISTAKES, MORE_MISTAKES
+from ddp_lab.answers.lab07 import hidden as hid
+from ddp_lab.answers.lab07 import references as ref
+from ddp_lab.checks import lab07 as checks
+from ddp_lab.checks.contract import exercises
+from ddp_lab.checks.failure import CheckFailed
+from ddp_lab.checks.lab07 import ex1_memory as ex1
+from ddp_lab.checks.lab07 import ex2_zero as ex2
+from ddp_lab.checks.lab07 import ex3_pipeline as ex3
+from ddp_lab.checks.lab07 import ex4_tensor_parallel as ex4
+from ddp_lab.checks.runner import STUB, namespace, run_ranks
+from ddp_lab.checks.values import plain
+from ddp_lab.parallel import hybrid, memory, timeline
+
+LAB = checks.LAB
+SEEDS = range(200)
+FEW = range(0, 200, 25)
+SOURCES = solution_sources(LAB)
+EXERCISES = exercises(LAB)
+
+
+def _judge(gid: str):
+    return full_judge(EXERCISES[gid], HIDDEN.get(gid))
+
+
+def _inputs(gid: str, seed: int) -> dict:
+    return EXERCISES[gid].make_inputs(torch.Generator().manual_seed(seed))
+
+
+def _saved(outputs):
+    """What the judge gets: the outputs through torch.save / torch.load(weights_only=True)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(outputs, Path(tmp) / "o.pt")
+        return torch.load(Path(tmp) / "o.pt", weights_only=True)
+
+
+def _file(source: str) -> str:
+    return source.split("\n", 1)[1]
+
+
+# --- the case sets ---------------------------------------------------------------------------
+
+
+def test_every_draw_holds_every_edge_case():
+    for seed in SEEDS:
+        cases = _inputs("test_ex1_memory", seed)["cases"]
+        assert {(c["world"], c["stage"]) for c in cases} == {
+            (w, s) for w in (1, 2, 3, 8) for s in range(4)
+        }
+        totals = {sum(ex1.numels(c["model"])) for c in cases}
+        assert any(n % 6 in (1, 5) for n in totals) and any(n % 6 == 0 for n in totals)
+        assert any(n < 3 for n in totals), "more ranks than numbers"
+        assert {c["model"]["bytes"] for c in cases} == {2, 4, 8}
+
+        runs = _inputs("test_ex2_zero", seed)["cases"][0]["runs"]
+        assert [r["ranks"] for r in runs] == [3, 3, 3, 2, 2]
+        sizes = [sum(math.prod(s) for s in r["shapes"]) for r in runs]
+        assert sizes[0] % 3 and sizes[1] == 2 and sizes[3] % 2, "uneven chunks, an empty one"
+        assert {r["dtype"] for r in runs} == {"float32", "float64"}
+        assert all(len(r["grads"]) == ex2.STEPS >= 10 for r in runs)
+        assert any([1] in r["shapes"] for r in runs), "a one-number parameter"
+        for r in runs:
+            if r["max_norm"] is None:
+                continue
+            norms = [
+                float(
+                    torch.cat(
+                        [torch.stack(g).mean(0).reshape(-1) for g in zip(*st, strict=True)]
+                    ).norm()
+                )
+                for st in r["grads"]
+            ]
+            assert min(norms) < r["max_norm"] < max(norms), "some steps clip, some do not"
+        assert sum(r["max_norm"] is None for r in runs) == 2
+
+        pipes = _inputs("test_ex3_pipeline", seed)["cases"][0]["runs"]
+        assert [(r["stages"], r["micro"]) for r in pipes] == [(3, 1), (3, 4), (2, 3), (2, 2)]
+        assert {r["dtype"] for r in pipes} == {"float32", "float64"}
+        for r in pipes:
+            assert all(len(ex3.stage_layers(r, s)) >= 1 for s in range(r["stages"]))
+
+        subs = _inputs("test_ex4_tensor_parallel", seed)["cases"][0]["subs"]
+        assert [(s["kind"], s["ranks"]) for s in subs] == [
+            ("column", 3),
+            ("row", 3),
+            ("mlp", 3),
+            ("column", 2),
+            ("row", 2),
+            ("mlp", 2),
+        ]
+        for s in subs:
+            split = s["fc1"]["weight"].shape[0 if s["kind"] in ("column", "mlp") else 1]
+            assert split % s["ranks"], "the split dimension does not divide by the ranks"
+        assert {s["x"].dim() for s in subs} == {2, 3}
+        assert any(s["fc1"]["bias"] is None for s in subs)
+
+
+# --- judges over 200 draws (outputs built without student processes) ------------------------
+
+
+def test_memory_judge_accepts_the_reference_and_rejects_every_mistake_every_draw():
+    gid = "test_ex1_memory"
+    mistakes = {
+        m.name: namespace({m.cell: m.source}, [m.cell]) for m in MISTAKES if m.cell == "ex1_memory"
+    }
+    for seed in SEEDS:
+        inputs = _inputs(gid, seed)
+        right = _saved(ex1.run({"memory_per_rank": ref.memory_per_rank}, inputs, None))
+        wrongs = {n: _saved(ex1.run(ns, inputs, None)) for n, ns in mistakes.items()}
+        assert_verdicts(_judge(gid), seed, inputs, right, wrongs)
+
+
+def _summed(spec: dict) -> list[list[torch.Tensor]]:
+    """Each step's gradients summed over the ranks (not averaged)."""
+    return [[torch.stack(g).sum(0) for g in zip(*step, strict=True)] for step in spec["grads"]]
+
+
+def _zero_outputs(inputs: dict, how: str = "right", oracles: list | None = None) -> dict:
+    """Every rank's outputs as a right (or wrong) ShardedAdamW would give them (``oracles``:
+    AdamW's parameters of each run, when computed already)."""
+    case = inputs["cases"][0]
+    ranks = [[] for _ in range(case["world_size"])]
+    for i, spec in enumerate(case["runs"]):
+        n = sum(math.prod(s) for s in spec["shapes"])
+        size = torch.empty((), dtype=ex2.DTYPES[spec["dtype"]]).element_size()
+        params = {
+            "right": lambda spec=spec, i=i: oracles[i] if oracles else ex2.oracle(spec),
+            "steps_everything": lambda spec=spec, i=i: oracles[i] if oracles else ex2.oracle(spec),
+            "all_reduce_params": lambda spec=spec: hid._averaged_updates(spec)[0],
+            "sums_gradients": lambda spec=spec: ex2.oracle(spec, _summed(spec).__getitem__),
+        }[how]()
+        held = 2 * n * size if how == "steps_everything" else 3 * -(-n // spec["ranks"]) * size
+        for r in range(case["world_size"]):
+            ranks[r].append({"params": params, "held": held} if r < spec["ranks"] else None)
+    return _saved({"cases": [ranks]})
+
+
+def test_zero_judge_accepts_adamw_and_rejects_the_mistakes_every_draw():
+    judge = _judge("test_ex2_zero")
+    for seed in SEEDS:
+        inputs = _inputs("test_ex2_zero", seed)
+        oracles = [ex2.oracle(spec) for spec in inputs["cases"][0]["runs"]]
+        names = ("steps_everything", "all_reduce_params", "sums_gradients")
+        wrongs = {
+            n: _zero_outputs(inputs, n, oracles) for n in (names if seed in FEW else names[:1])
+        }
+        assert_verdicts(judge, seed, inputs, _zero_outputs(inputs, "right", oracles), wrongs)
+    inputs = _inputs("test_ex2_zero", 0)
+    reasons = ("ZeRO keeps about three", "moved 1/N", "summed the ranks")
+    for name, reason in zip(names, reasons, strict=True):
+        with pytest.raises(CheckFailed, match=reason):
+            judge(inputs, _zero_outputs(inputs, name))
+
+
+def _pipeline_outputs(inputs: dict, how: str = "right") -> dict:
+    case = inputs["cases"][0]
+    ranks = [[] for _ in range(case["world_size"])]
+    for spec in case["runs"]:
+        p, m = spec["stages"], spec["micro"]
+        steps = [ex3.oracle(spec, step) for step in spec["steps"]]
+        for r in range(case["world_size"]):
+            if r >= p:
+                ranks[r].append(None)
+                continue
+            out = []
+            for want in steps:
+                grads = [g for i in ex3.stage_layers(spec, r) for g in want["grads"][i]]
+                if how == "no_gradient_sent_back" and r < p - 1:
+                    grads = [None] * len(grads)
+                if how == "loss_not_divided":
+                    grads = [g * m for g in grads]
+                last = [want["loss"], want["outputs"]] if r == p - 1 else None
+                out.append({"grads": grads, "result": last})
+            ranks[r].append(out)
+    return _saved({"cases": [ranks]})
+
+
+def test_pipeline_judge_accepts_the_unsplit_model_and_rejects_the_mistakes_every_draw():
+    judge = _judge("test_ex3_pipeline")
+    names = ("no_gradient_sent_back", "loss_not_divided")
+    for seed in SEEDS:
+        inputs = _inputs("test_ex3_pipeline", seed)
+        wrongs = {n: _pipeline_outputs(inputs, n) for n in (names if seed in FEW else names[:1])}
+        assert_verdicts(judge, seed, inputs, _pipeline_outputs(inputs), wrongs)
+    inputs = _inputs("test_ex3_pipeline", 0)
+    for name in names:
+        reason = next(m.reason for m in MISTAKES if m.name == name)
+        with pytest.raises(CheckFailed, match=reason):
+            judge(inputs, _pipeline_outputs(inputs, name))
+
+
+def _tp_outputs(inputs: dict, how: str = "right") -> dict:
+    case = inputs["cases"][0]
+    ranks = [[] for _ in range(case["world_size"])]
+    for spec in case["subs"]:
+        want, n = ex4.oracle(spec), spec["ranks"]
+        for r in range(case["world_size"]):
+            if r >= n:
+                ranks[r].append(None)
+                continue
+            y, xg = want["y"], want["x_grad"]
+            if spec["kind"] == "column":
+                y = y[..., ex4.owned(y.shape[-1], r, n)]
+            if spec["kind"] == "row":
+                xg = xg[..., ex4.owned(xg.shape[-1], r, n)]
+            last = spec["fc2" if spec["kind"] == "mlp" else "fc1"]["bias"]
+            if how == "row_bias_every_rank" and spec["kind"] != "column" and last is not None:
+                y = y + (n - 1) * last
+            calls = ex4.EXPECTED_CALLS[spec["kind"]]
+            layers = {k: ex4._parts(spec, k, v, r) for k, v in want["layers"].items()}
+            for k, v in want["layers"].items():
+                if v.bias is None:
+                    layers[k]["bias"] = None
+            ranks[r].append(
+                {
+                    "y": y,
+                    "x_grad": xg,
+                    "layers": layers,
+                    "forward_calls": dict(calls[0]),
+                    "backward_calls": dict(calls[1]),
+                }
+            )
+    return _saved({"cases": [ranks]})
+
+
+def test_tensor_parallel_judge_accepts_nn_linear_and_rejects_the_mistake_every_draw():
+    judge = _judge("test_ex4_tensor_parallel")
+    for seed in SEEDS:
+        inputs = _inputs("test_ex4_tensor_parallel", seed)
+        wrongs = {"row_bias_every_rank": _tp_outputs(inputs, "row_bias_every_rank")}
+        assert_verdicts(judge, seed, inputs, _tp_outputs(inputs), wrongs)
+    with pytest.raises(CheckFailed, match="added the bias on every rank"):
+        judge(inputs, wrongs["row_bias_every_rank"])
+
+
+# --- real ranks: references, solutions, the other mistakes -----------------------------------
+
+
+def _ranks_worker(rank: int, world: int, tmp: str, gid: str, jobs: list) -> None:
+    """Each job ``(name, file text, seed)``: the exercise's run_rank in its own folder."""
+    ex = exercises(LAB)[gid]
+    home = os.getcwd()
+    for name, text, seed in jobs:
+        inputs = ex.make_inputs(torch.Generator().manual_seed(seed))
+        folder = Path(tmp) / name
+        if rank == 0:
+            folder.mkdir()
+            (folder / ex.files[0]).write_text(text)
+        dist.barrier()
+        os.chdir(folder)
+        try:
+            out = plain(ex.run_rank({}, inputs, inputs["cases"][0], rank, world))
+        finally:
+            os.chdir(home)
+        torch.save(out, Path(tmp) / f"{name}-rank{rank}.pt")
+        dist.barrier()
+
+
+_RAN: dict[str, dict] = {}
+
+
+def _on_ranks(gid: str) -> dict[str, tuple[dict, dict]]:
+    """``name -> (inputs, outputs)`` for the reference (seed 1), the notebook's solution
+    (seed 2) and the exercise's other mistakes (seed 3), from one gloo job of 3 ranks."""
+    if gid not in _RAN:
+        ex = EXERCISES[gid]
+        cell = gid.removeprefix("test_")
+        jobs = [("reference", ref.FILES[ex.files[0]], 1), ("solution", _file(SOURCES[cell]), 2)]
+        jobs += [(m.name, _file(m.source), 3) for m in MORE_MISTAKES if m.cell == cell]
+        with tempfile.TemporaryDirectory() as tmp:
+            spawn_gloo(_ranks_worker, 3, tmp, gid, jobs, timeout=240)
+            _RAN[gid] = {
+                name: (
+                    ex.make_inputs(torch.Generator().manual_seed(seed)),
+                    {
+                        "cases": [
+                            [
+                                torch.load(Path(tmp) / f"{name}-rank{r}.pt", weights_only=True)
+                                for r in range(3)
+                            ]
+                        ]
+                    },
+                )
+                for name, _, seed in jobs
+            }
+    return _RAN[gid]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_adamw_equals_adamw_after_10_steps_on_2_and_3_ranks():
+    for name in ("reference", "solution"):
+        inputs, outputs = _on_ranks("test_ex2_zero")[name]
+        assert "equals torch.optim.AdamW" in _judge("test_ex2_zero")(inputs, outputs)
+        for spec, got in zip(
+            inputs["cases"][0]["runs"], zip(*outputs["cases"][0], strict=True), strict=True
+        ):
+            want = ex2.oracle(spec)
+            worst = max(
+                float((g - w).abs().max())
+                for rank_out in got[: spec["ranks"]]
+                for g, w in zip(rank_out["params"], want, strict=True)
+            )
+            print(f"{name}: {ex2.run_text(spec)}: max |ShardedAdamW - AdamW| = {worst:.2e}")
+            assert worst <= 1e-6 and len(want) >= 10
+            assert all(o["held"] <= ex2.bound(spec) for o in got[: spec["ranks"]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_outputs_and_gradients_equal_the_unsplit_model():
+    for name in ("reference", "solution"):
+        inputs, outputs = _on_ranks("test_ex3_pipeline")[name]
+        assert "equals the unsplit model" in _judge("test_ex3_pipeline")(inputs, outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_layers_equal_nn_linear_forward_and_backward():
+    for name in ("reference", "solution"):
+        inputs, outputs = _on_ranks("test_ex4_tensor_parallel")[name]
+        assert "equal nn.Linear forward and backward" in _judge("test_ex4_tensor_parallel")(
+            inputs, outputs
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mistake", MORE_MISTAKES, ids=lambda m: m.name)
+def test_more_mistakes_fail_their_exercise_with_their_reason(mistake):
+    gid = f"test_{mistake.cell}"
+    inputs, outputs = _on_ranks(gid)[mistake.name]
+    with pytest.raises(CheckFailed, match=mistake.reason):
+        _judge(gid)(inputs, outputs)
+
+
+# --- visible checks ---------------------------------------------------------------------------
+
+
+def test_visible_memory_check_passes_the_solution_and_names_a_mistake(capsys):
+    checks.memory(namespace(SOURCES, ["ex1_memory"])["memory_per_rank"])
+    assert capsys.readouterr().out.startswith("OK: ")
+    bad = next(m for m in MISTAKES if m.name == "zero2_full_grads")
+    with pytest.raises(CheckFailed, match="'grads' should be"):
+        checks.memory(namespace({bad.cell: bad.source}, [bad.cell])["memory_per_rank"])
+    with pytest.raises(CheckFailed, match="finish this exercise first"):
+        checks.memory(lambda *a: (_ for _ in ()).throw(NotImplementedError()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsys):
+    for cell in ("ex2_zero", "ex3_pipeline", "ex4_tensor_parallel"):
+        name = SOURCES[cell].split("\n", 1)[0].split()[-1]
+        (tmp_path / name).write_text(_file(SOURCES[cell]))
+    checks.zero(str(tmp_path / "zero.py"))
+    checks.pipeline(str(tmp_path / "pipeline.py"))
+    checks.tensor_parallel(str(tmp_path / "tp.py"))
+    assert capsys.readouterr().out.count("OK: ") == 3
+    bad = next(m for m in MISTAKES if m.name == "row_bias_every_rank")
+    (tmp_path / "tp.py").write_text(_file(bad.source))
+    with pytest.raises(CheckFailed, match="forward output differs"):
+        checks.tensor_parallel(str(tmp_path / "tp.py"))
+    (tmp_path / "zero.py").write_text(
+        f"class ShardedAdamW:\n    def step(self):\n        {STUB}()\n"
+    )
+    with pytest.raises(CheckFailed, match="finish this exercise first"):
+        checks.zero(str(tmp_path / "zero.py"))
+
+
+# --- facts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_runs_on_the_cpu_with_gloo_and_trains_ddps_weights_with_half_the_memory(tmp_path):
+    from ddp_lab.launch import torchrun
+
+    (tmp_path / "zero.py").write_text(ref.FILES["zero.py"])
+    res = torchrun(
+        "ddp_lab.parallel.compare",
+        ["--zero", "zero.py", "--width", "64"],
+        nproc=2,
+        module=True,
+        timeout=240,
+        cwd=str(tmp_path),
+        stream=False,
+    ).result
+    runs = res["runs"]
+    assert set(runs) == {"ddp", "zero1 (torch)", "zero (yours)", "fsdp"}
+    assert all(r["max_abs_diff"] < 1e-5 for r in runs.values()), runs
+    n = res["parameters"]
+    for part in ("params", "grads"):
+        assert all(row[part] == 4 * n for row in runs["ddp"]["ranks"])
+        assert sum(row[part] for row in runs["fsdp"]["ranks"]) == 4 * n
+        assert all(row[part] < 4 * n for row in runs["fsdp"]["ranks"])
+    assert all(row["optimizer"] == 8 * n for row in runs["ddp"]["ranks"])
+    assert sum(row["optimizer"] for row in runs["zero1 (torch)"]["ranks"]) == 8 * n
+    assert all(row["optimizer"] <= 3 * 4 * -(-n // 2) + 8 for row in runs["zero (yours)"]["ranks"])
+
+
+def test_an_ideal_gpipe_schedule_idles_the_formulas_share():
+    tf, tb = 1.0, 2.0
+    for p in (2, 3, 4):
+        for m in (1, 2, 4, 8):
+            events = [
+                [("F", (s + i) * tf, (s + i + 1) * tf) for i in range(m)]
+                + [
+                    (
+                        "B",
+                        (m + p - 1) * tf + (p - 1 - s + i) * tb,
+                        (m + p - 1) * tf + (p - s + i) * tb,
+                    )
+                    for i in range(m)
+                ]
+                for s in range(p)
+            ]
+            assert timeline.bubble(events) == pytest.approx(timeline.gpipe_bubble(p, m))
+
+
+def test_memory_counts_storages_once_and_leaves_out_the_excluded():
+    w = torch.zeros(10)
+    holder = {"view": w[2:4], "own": torch.ones(3, dtype=torch.float64), "again": w}
+    assert memory.held_bytes(holder) == 40 + 24  # the view keeps all of w alive
+    assert memory.held_bytes(holder, exclude=[w]) == 24
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(5))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(5)
+    opt.step()
+    assert memory.optimizer_bytes(opt) == 2 * 5 * 4
+
+
+def test_hybrid_layout_groups_cover_every_rank_once_per_kind():
+    groups = hybrid.layout(dp=2, tp=4, pp=2)
+    for kind, size in (("tensor", 4), ("pipeline", 2), ("data", 2)):
+        assert sorted(r for g in groups[kind] for r in g) == list(range(16))
+        assert all(len(g) == size for g in groups[kind])
+    assert groups["tensor"][0] == [0, 1, 2, 3], "tensor groups are neighbours (one node)"
+    plan = hybrid.plan(8, 64, 16, 32, 2, 2, 2, 4, ref.memory_per_rank, zero_stage=1)
+    assert plan["params"] == 12 * 64 * 64 * 8 // 4 and plan["bubble"] == pytest.approx(1 / 5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_deadlocking_pipeline_is_stopped_and_leaves_no_process(tmp_path):
+    (tmp_path / "pipeline.py").write_text(
+        "import torch, torch.distributed as dist\n\n\n"
+        "def gpipe_step(stage, n_stages, n_micro, inputs, targets, act_shape, loss_fn):\n"
+        "    t = torch.zeros(act_shape)\n"
+        "    dist.recv(t, src=(dist.get_rank() + 1) % n_stages)  # everyone waits: no send\n"
+    )
+    before = set(os.listdir("/proc"))
+    ex = EXERCISES["test_ex3_pipeline"]
+    inputs = ex.visible_inputs(torch.Generator().manual_seed(0))
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(CheckFailed, match="did not finish within"):
+        run_ranks(ex, LAB, inputs, work, tmp_path, timeout=25)
+    assert not new_leftovers(before, str(tmp_path))
