@@ -54,7 +54,7 @@ import torch
 
 from ddp_lab.data import choose_dataset, cifar10_present
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.launch import LaunchError, torchrun
+from ddp_lab.labrun import lab_parser, plan_hardware, read_summary, train
 
 PROG = "ddp_lab.lab3"
 #: Rendezvous ports of SLURM jobs: below Linux's ephemeral range (32768-60999), so that no
@@ -71,54 +71,17 @@ STAGE_SH = (
 )
 
 
-def plan_hardware(max_procs: int | None = None) -> tuple[list[int], str, str]:
-    """Process counts of the sweep, the backend, and why.
-
-    Returns:
-        ``(counts, backend, reason)``: ``[1, 2, 4, ..., n_gpus]`` with NCCL when CUDA GPUs
-        are visible, ``[1, 2]`` with gloo otherwise; ``max_procs`` caps the counts.
-
-    Example:
-        >>> plan_hardware(max_procs=1)[0]
-        [1]
-    """
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus > 0:
-        top, backend = gpus, "nccl"
-        reason = f"found {gpus} CUDA GPU(s): one process per GPU with NCCL"
-    else:
-        top, backend = 2, "gloo"
-        reason = "no CUDA GPU visible: 2 CPU processes with gloo"
-    if max_procs is not None:
-        top = min(top, max_procs)
-    counts = sorted({2**i for i in range(top.bit_length()) if 2**i <= top} | {top})
-    return counts, backend, reason
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        allow_abbrev=False,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--out", default=None, help="results folder (results/lab3, or results/lab3-slurm-<jobid>)"
-    )
-    p.add_argument("--data-dir", default="data", help="where CIFAR-10 is (or goes)")
-    p.add_argument(
-        "--dataset",
-        choices=["auto", "synthetic", "cifar10"],
-        default="auto",
-        help="auto: CIFAR-10 when present or downloadable, synthetic otherwise",
+    p = lab_parser(
+        PROG,
+        __doc__,
+        None,
+        "default: resnet18 on GPUs, cnn on the CPU",
+        "results folder (results/lab3, or results/lab3-slurm-<jobid>)",
     )
     p.add_argument("--offline", action="store_true", help="auto never tries to download")
-    p.add_argument("--model", default=None, help="default: resnet18 on GPUs, cnn on the CPU")
     p.add_argument("--batch-size", type=int, help="per process (default: 128 GPU, 32 CPU)")
     p.add_argument("--max-steps", type=int, help="per run (default: 200 GPU, 1 epoch CPU)")
-    p.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
-    p.add_argument("--max-procs", type=int, default=None, help="cap the process count")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument(
         "--slurm",
         choices=["auto", "on", "off"],
@@ -402,14 +365,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         if steps:
             flags += ["--max-steps", str(steps)]
         print(f"{PROG}: training with {n} process(es) ...", flush=True)
-        try:
-            torchrun(
-                "ddp_lab.train", flags, nproc=n, module=True, timeout=args.timeout, stream=False
-            )
-        except LaunchError as err:
-            raise UsageError(f"the {n}-process run failed: {err}") from None
-        with open(os.path.join(out, "summary.json")) as f:
-            s = json.load(f)
+        train(f"{n}-process", flags, n, args.timeout)
+        s = read_summary(out)
         keep = ("samples_per_s", "seconds", "accuracy", "steps")
         records.append({"processes": n, **{k: s[k] for k in keep}})
         print(

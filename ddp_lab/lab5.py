@@ -29,12 +29,16 @@ import json
 import os
 import sys
 
-import torch
-
-from ddp_lab.data import choose_dataset
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.lab3 import plan_hardware
-from ddp_lab.launch import LaunchError, torchrun
+from ddp_lab.labrun import (
+    dataset_for,
+    lab_parser,
+    plan_hardware,
+    read_jsonl,
+    read_summary,
+    train,
+    weight_difference,
+)
 
 PROG = "ddp_lab.lab5"
 
@@ -62,21 +66,7 @@ def runs(batch: int, accum: int) -> dict[str, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        allow_abbrev=False,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--out", default="results/lab5", help="results folder")
-    p.add_argument("--data-dir", default="data", help="where CIFAR-10 is (or goes)")
-    p.add_argument(
-        "--dataset",
-        choices=["auto", "synthetic", "cifar10"],
-        default="auto",
-        help="auto: CIFAR-10 when present or downloadable, synthetic otherwise",
-    )
-    p.add_argument("--model", default=None, help="default: resnet18 on GPUs, mlp on the CPU")
+    p = lab_parser(PROG, __doc__, "results/lab5", "default: resnet18 on GPUs, mlp on the CPU")
     p.add_argument(
         "--batch-size", type=int, default=None, help="per process (default: 128 GPU, 32 CPU)"
     )
@@ -84,15 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-steps", type=int, default=None, help="steps per run (default: 200 GPU, 60 CPU)"
     )
-    p.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
-    p.add_argument("--max-procs", type=int, default=None, help="cap the process count")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     return p
-
-
-def _records(out: str) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @exit_on_usage_error(PROG)
@@ -101,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     counts, backend, hw_reason = plan_hardware(args.max_procs)
     nproc, gpu = counts[-1], backend == "nccl"
-    if args.dataset == "auto":
-        dataset, data_reason = choose_dataset(args.data_dir)
-    else:
-        dataset, data_reason = args.dataset, f"--dataset {args.dataset} asked for"
+    dataset, data_reason = dataset_for(args)
     model = args.model or ("resnet18" if gpu else "mlp")
     batch = args.batch_size or (128 if gpu else 32)
     steps = args.max_steps or (200 if gpu else 60)
@@ -123,20 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, flags in runs(batch, args.accum_steps).items():
         out = os.path.join(args.out, label.replace(" ", "_").replace("+", "_"))
         print(f"{PROG}: {label}: {' '.join(flags)} ...", flush=True)
-        try:
-            torchrun(
-                "ddp_lab.train",
-                [*common, *flags, "--out", out],
-                nproc=nproc,
-                module=True,
-                timeout=args.timeout,
-                stream=False,
-            )
-        except LaunchError as err:
-            raise UsageError(f"the {label} run failed: {err}") from None
-        with open(os.path.join(out, "summary.json")) as f:
-            s = json.load(f)
-        records = _records(out)
+        train(label, [*common, *flags, "--out", out], nproc, args.timeout)
+        s = read_summary(out)
+        records = read_jsonl(os.path.join(out, "metrics.jsonl"))
         later = records[1:] or records
         results[label] = {
             "flags": flags,
@@ -161,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results.values():
         r["step_time_vs_fp32"] = r["ms_per_step"] / base
     accum_label = f"fp32 accum {args.accum_steps}"
-    a = torch.load(os.path.join(results["fp32"]["folder"], "model.pt"), weights_only=True)
-    b = torch.load(os.path.join(results[accum_label]["folder"], "model.pt"), weights_only=True)
-    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    _, diff = weight_difference(results["fp32"]["folder"], results[accum_label]["folder"])
     where = "GPU" if gpu else "CPU"
     summary = {
         "backend": backend,

@@ -23,12 +23,15 @@ import os
 import re
 import sys
 
-import torch
-
-from ddp_lab.data import choose_dataset
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.lab3 import plan_hardware
-from ddp_lab.launch import LaunchError, torchrun
+from ddp_lab.labrun import (
+    dataset_for,
+    lab_parser,
+    plan_hardware,
+    read_jsonl,
+    train,
+    weight_difference,
+)
 
 PROG = "ddp_lab.lab6"
 
@@ -95,21 +98,7 @@ def restart_phases(events: list[dict], detected: float | None) -> list[tuple[str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        allow_abbrev=False,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--out", default="results/lab6", help="results folder")
-    p.add_argument("--data-dir", default="data", help="where CIFAR-10 is (or goes)")
-    p.add_argument(
-        "--dataset",
-        choices=["auto", "synthetic", "cifar10"],
-        default="auto",
-        help="auto: CIFAR-10 when present or downloadable, synthetic otherwise",
-    )
-    p.add_argument("--model", default=None, help="default: resnet18 on GPUs, mlp on the CPU")
+    p = lab_parser(PROG, __doc__, "results/lab6", "default: resnet18 on GPUs, mlp on the CPU")
     p.add_argument("--batch-size", type=int, default=None, help="per process (128 GPU, 32 CPU)")
     p.add_argument("--max-steps", type=int, default=None, help="steps (default 200 GPU, 80 CPU)")
     p.add_argument("--ckpt-every", type=int, default=None, help="default: a fifth of the steps")
@@ -118,15 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault", choices=["raise", "sigkill", "hang"], default="sigkill", help="fault kind"
     )
     p.add_argument("--pg-timeout", type=float, default=20, help="seconds (ends a hang)")
-    p.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
-    p.add_argument("--max-procs", type=int, default=None, help="cap the process count")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     return p
-
-
-def _jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @exit_on_usage_error(PROG)
@@ -139,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(
             "lab 6 needs 2 or more processes (a fault needs a peer); raise --max-procs"
         )
-    if args.dataset == "auto":
-        dataset, data_reason = choose_dataset(args.data_dir)
-    else:
-        dataset, data_reason = args.dataset, f"--dataset {args.dataset} asked for"
+    dataset, data_reason = dataset_for(args)
     model = args.model or ("resnet18" if gpu else "mlp")
     batch = args.batch_size or (128 if gpu else 32)
     steps = args.max_steps or (200 if gpu else 80)
@@ -172,27 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.isdir(ckpt):  # --resume must not find a previous make lab6's checkpoints
             for f in os.listdir(ckpt):
                 os.remove(os.path.join(ckpt, f))
-        try:
-            launched[name] = torchrun(
-                "ddp_lab.train",
-                [*common, *flags, "--out", outs[name]],
-                nproc=nproc,
-                module=True,
-                timeout=args.timeout,
-                max_restarts=restarts,
-                stream=False,
-            )
-        except LaunchError as err:
-            raise UsageError(f"the {name} run failed: {err}") from None
-    a = torch.load(os.path.join(outs["clean"], "model.pt"), weights_only=True)
-    b = torch.load(os.path.join(outs["fault"], "model.pt"), weights_only=True)
-    identical = all(torch.equal(a[k], b[k]) for k in a)
-    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-    events = _jsonl(os.path.join(outs["fault"], "events.jsonl"))
+        launched[name] = train(
+            name, [*common, *flags, "--out", outs[name]], nproc, args.timeout, restarts
+        )
+    identical, diff = weight_difference(outs["clean"], outs["fault"])
+    events = read_jsonl(os.path.join(outs["fault"], "events.jsonl"))
     fault_time = next(e["time"] for e in events if e["event"] == "fault")
     detected = detection_time(launched["fault"].logs.get(-1, ""), fault_time)
     phases = restart_phases(events, detected)
-    ckpts = [e for e in _jsonl(os.path.join(outs["clean"], "events.jsonl"))]
+    ckpts = read_jsonl(os.path.join(outs["clean"], "events.jsonl"))
     ckpts = [e for e in ckpts if e["event"] == "checkpoint"]
     result = {
         "backend": backend,

@@ -1,5 +1,6 @@
-"""``make lab5`` and ``make lab6``: the pieces that do not need processes (the run plans,
-torchrun's detection time, the restart phases, the figures). The drivers themselves run the
+"""``make lab3``, ``make lab5`` and ``make lab6``: the pieces that do not need processes (the
+shared flags, the run plans, the weight comparison, torchrun's detection time, the restart
+phases, the figures). The drivers themselves run the
 trainer, whose properties the other trainer tests prove."""
 
 from __future__ import annotations
@@ -7,12 +8,39 @@ from __future__ import annotations
 import datetime
 
 import pytest
+import torch
 from matplotlib.figure import Figure
 
+from ddp_lab import lab3, lab5, lab6
+from ddp_lab.errors import UsageError
 from ddp_lab.figures.lab5_runs import lab5_runs
 from ddp_lab.figures.lab6_restart import restart_timeline
 from ddp_lab.lab5 import runs
 from ddp_lab.lab6 import detection_time, restart_phases
+from ddp_lab.labrun import dataset_for, plan_hardware, train, weight_difference
+
+
+@pytest.mark.parametrize("module", [lab3, lab5, lab6])
+def test_every_lab_run_has_the_shared_flags(module):
+    args = module.build_parser().parse_args(["--max-procs", "1", "--dataset", "synthetic"])
+    assert (args.data_dir, args.train_size, args.timeout) == ("data", 10_000, 1800)
+    assert dataset_for(args) == ("synthetic", "--dataset synthetic asked for")
+    assert plan_hardware(args.max_procs)[0] == [1]
+
+
+def test_weight_difference_says_identical_or_how_far(tmp_path):
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)}
+    for name, shift in (("a", 0.0), ("same", 0.0), ("other", 0.25)):
+        (tmp_path / name).mkdir()
+        torch.save({k: v + shift for k, v in weights.items()}, tmp_path / name / "model.pt")
+    assert weight_difference(str(tmp_path / "a"), str(tmp_path / "same")) == (True, 0.0)
+    assert weight_difference(str(tmp_path / "a"), str(tmp_path / "other")) == (False, 0.25)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_trainer_run_is_one_line_that_names_it(tmp_path):
+    with pytest.raises(UsageError, match="the np9 run failed"):
+        train("np9", ["--model", "no-such-model", "--out", str(tmp_path)], 1, timeout=100)
 
 
 def test_lab5_runs_keep_the_global_batch():
