@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from _harness import run_tree
+from selftest.students import GOOD_SUM
 
 from ddp_lab.grading import limits
 from ddp_lab.grading.authoring import notebook, solution
@@ -90,22 +91,6 @@ def test_wrap_and_the_environment_round_trip(monkeypatch):
     assert json.loads(SMALL.to_env())["cpu_s"] == 3
 
 
-GOOD_SUM = """%%writefile rank_sum.py
-import torch.distributed as dist
-
-def rank_sum(t):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        buf = t.clone()
-        for src in range(1, world):
-            dist.recv(buf, src=src)
-            t += buf
-        for dst in range(1, world):
-            dist.send(t, dst=dst)
-    else:
-        dist.send(t, dst=0)
-        dist.recv(t, src=0)
-"""
 HOG = "import torch\ndef add(a, b):\n    torch.ones(2 * 1536 * 2**20 // 4)\n    return a + b\n"
 SCRIBBLE = (
     "def add(a, b):\n    with open('log.txt', 'wb') as f:\n"

@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import pytest
 from selftest import lab00
+from selftest.students import RANK_SUM_FILE
 
 from ddp_lab.checks import runner
 from ddp_lab.checks.failure import CheckFailed
-
-GOOD_SUM = """import torch.distributed as dist
-
-def rank_sum(t):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        buf = t.clone()
-        for src in range(1, world):
-            dist.recv(buf, src=src)
-            t += buf
-        for dst in range(1, world):
-            dist.send(t, dst=dst)
-    else:
-        dist.send(t, dst=0)
-        dist.recv(t, src=0)
-"""
 
 
 def test_visible_check_in_process_passes_and_fails_like_the_judge(capsys):
@@ -48,7 +33,7 @@ def test_visible_check_reports_the_students_error_in_one_line():
 
 @pytest.mark.timeout(120)
 def test_visible_distributed_check_runs_the_file_on_every_rank(tmp_path, capsys):
-    (tmp_path / "rank_sum.py").write_text(GOOD_SUM)
+    (tmp_path / "rank_sum.py").write_text(RANK_SUM_FILE)
     lab00.rank_sum(str(tmp_path / "rank_sum.py"))
     assert "OK: rank_sum equals the sum" in capsys.readouterr().out
     (tmp_path / "rank_sum.py").write_text(

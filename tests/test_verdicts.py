@@ -6,31 +6,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from selftest.students import GOOD_ADD, GOOD_SUM, RANK_SUM_FILE
 
 from ddp_lab.grading import sandbox
 from ddp_lab.grading.authoring import notebook, solution
 from ddp_lab.grading.verdict import judge_notebook
 
 LAB = "lab00_selftest"
-GOOD_ADD = "def add(a, b):\n    return a + b"
-GOOD_SUM = '''%%writefile rank_sum.py
-import torch
-import torch.distributed as dist
-
-def rank_sum(t):
-    """Sum t over all ranks, in place, with send/recv through rank 0."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        buf = torch.empty_like(t)
-        for src in range(1, world):
-            dist.recv(buf, src=src)
-            t += buf
-        for dst in range(1, world):
-            dist.send(t, dst=dst)
-    else:
-        dist.send(t, dst=0)
-        dist.recv(t, src=0)
-'''
 
 
 def _nb(add: str = GOOD_ADD, rank_sum: str = GOOD_SUM) -> dict:
@@ -130,7 +112,7 @@ def test_a_later_exercise_cannot_rewrite_an_earlier_ones_outputs(monkeypatch):
 inputs = torch.load(judge / "test_add-inputs.pt", weights_only=True)
 torch.save({"sum": inputs["a"] + inputs["b"]}, judge / "test_add-outputs.pt")
 """
-        + GOOD_SUM.split("\n", 1)[1]
+        + RANK_SUM_FILE
     )
     v = _judge(_nb(add="def add(a, b):\n    return a * 0", rank_sum=forge))
     assert v["test_rank_sum"].passed, v["test_rank_sum"]  # the forger's own exercise is right
