@@ -7,8 +7,9 @@ importable in the child: the parent puts ``tests/`` on ``sys.path`` and spawn co
 parent's ``sys.path`` into the child. This module adds the repository root itself, so
 ``ddp_lab`` imports whatever the working directory.
 
-The collectives under test are lab 2's reference answers (``ddp_lab.answers.lab02``) and the
-runtime's bandwidth tool (``ddp_lab.bandwidth``).
+The collectives under test are lab 2's reference answers (``ddp_lab.answers.lab02``: the
+ring, the average through one rank, the parameter server with staleness 0, 1 and 2, the last
+against the kit's trajectory oracle) and the runtime's bandwidth tool (``ddp_lab.bandwidth``).
 
 Each rank writes ``rank<r>.pt`` (a dict of results) into the output folder, or ``rank<r>.err``
 (the traceback) and exits non-zero; the parent asserts on the files.
@@ -29,12 +30,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ddp_lab.answers.lab02.references import (  # noqa: E402
-    parameter_server_average,
     ring_all_gather,
     ring_all_reduce,
     ring_chunks,
 )
+from ddp_lab.answers.lab02.servers import (  # noqa: E402
+    parameter_server,
+    reduce_broadcast_average,
+)
 from ddp_lab.bandwidth import measure_all_reduce  # noqa: E402
+from ddp_lab.checks.lab02 import server as oracle  # noqa: E402
 
 
 def broken_ring_skip_step(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -80,7 +85,7 @@ def run_cases(rank: int, world_size: int, cases: list[tuple]) -> dict:
         out["ring"][key] = _max_diff(ring_out, reference)
 
         ps_in = x.clone()
-        ps_out = parameter_server_average(ps_in, server_rank=world_size - 1)
+        ps_out = reduce_broadcast_average(ps_in, server_rank=world_size - 1)
         out["in_place"][key] = out["in_place"][key] and ps_out is ps_in
         out["ps"][key] = _max_diff(ps_out, reference / world_size)
 
@@ -91,7 +96,7 @@ def run_cases(rank: int, world_size: int, cases: list[tuple]) -> dict:
     x = torch.randn(5, 3, generator=gen, dtype=torch.float64).t()
     reference = x.clone()
     dist.all_reduce(reference)
-    ring_out, ps_out = ring_all_reduce(x.clone()), parameter_server_average(x.clone())
+    ring_out, ps_out = ring_all_reduce(x.clone()), reduce_broadcast_average(x.clone())
     out["noncontig"] = max(
         _max_diff(ring_out, reference), _max_diff(ps_out, reference / world_size)
     )
@@ -104,10 +109,27 @@ def run_cases(rank: int, world_size: int, cases: list[tuple]) -> dict:
         reference = x.clone()
         dist.all_reduce(reference, group=sub)
         ring_out = ring_all_reduce(x.clone(), group=sub)
-        ps_out = parameter_server_average(x.clone(), server_rank=len(members) - 1, group=sub)
+        ps_out = reduce_broadcast_average(x.clone(), server_rank=len(members) - 1, group=sub)
         out["subgroup"] = max(
             _max_diff(ring_out, reference), _max_diff(ps_out, reference / len(members))
         )
+
+    # the parameter server, synchronous and stale, against the checks' one-process trajectory
+    out["server"] = {}
+    for staleness in (0, 1, 2):
+        run = oracle.make_run(
+            torch.Generator().manual_seed(staleness),
+            world_size,
+            5,
+            torch.float64,
+            staleness=staleness,
+        )
+        params = run["init"].clone()
+        optimizer = oracle.optimizer(run, params) if rank == 0 else None
+        x, y = (run["xs"][rank - 1], run["ys"][rank - 1]) if rank else (None, None)
+        grad_fn = (lambda p, x=x, y=y: oracle.gradient(x, y, p)) if rank else None
+        parameter_server(params, optimizer, grad_fn, run["steps"], staleness)
+        out["server"][staleness] = _max_diff(params, oracle.trajectory(run)[-1])
 
     out["measured"] = measure_all_reduce([64, 4096], repeats=3, warmup=1)
     out["measured_ring"] = measure_all_reduce([64, 4096], repeats=3, warmup=1, fn=ring_all_reduce)

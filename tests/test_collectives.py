@@ -1,5 +1,6 @@
-"""Lab 2's reference collectives equal torch's, the cost model fits its own data, and the
-runtime's bandwidth tool times any collective.
+"""Lab 2's reference collectives equal torch's, the reference parameter server follows the
+checks' trajectory, the cost model fits its own data, and the runtime's bandwidth tool times
+any collective.
 
 The references live in the instructor's part (``ddp_lab.answers.lab02.references``), the
 timing tool in the runtime (``ddp_lab.bandwidth``). Distributed cases run in real gloo
@@ -27,12 +28,13 @@ from _harness import spawn_gloo  # noqa: E402
 
 from ddp_lab.answers.lab02.references import (  # noqa: E402
     fit_alpha_beta,
-    parameter_server_average,
     ring_all_reduce,
     ring_allreduce_time,
     ring_owned_chunk,
     ring_schedule,
+    server_step_time,
 )
+from ddp_lab.answers.lab02.servers import reduce_broadcast_average  # noqa: E402
 from ddp_lab.bandwidth import measure_all_reduce  # noqa: E402
 
 WORLD_SIZES = [2, 3]
@@ -81,7 +83,7 @@ def test_ring_all_reduce_matches_dist_all_reduce(group_results, case):
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_parameter_server_average_matches_all_reduce_mean(group_results, case):
+def test_average_through_one_rank_matches_all_reduce_mean(group_results, case):
     world_size, ranks = group_results
     for rank, res in enumerate(ranks):
         diff = res["ps"][case]
@@ -104,6 +106,16 @@ def test_collectives_handle_non_contiguous_tensors_and_sub_groups(group_results)
     subgroup = [res["subgroup"] for res in ranks if "subgroup" in res]
     assert len(subgroup) == len(range(world_size - 1, -1, -2))
     assert all(d <= 1e-12 for d in subgroup), subgroup
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_parameter_server_follows_the_one_process_trajectory_with_and_without_staleness(
+    group_results,
+):
+    world_size, ranks = group_results
+    for rank, res in enumerate(ranks):
+        for staleness, diff in res["server"].items():
+            assert diff <= 1e-12, f"world {world_size}, rank {rank}, staleness {staleness}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
@@ -153,7 +165,7 @@ def test_ring_schedule_rejects_empty_world():
 def test_collectives_are_no_ops_in_one_process():
     x = torch.arange(6.0).reshape(2, 3)
     assert ring_all_reduce(x) is x and x.tolist() == [[0, 1, 2], [3, 4, 5]]
-    assert parameter_server_average(x) is x and x.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert reduce_broadcast_average(x) is x and x.tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
 @pytest.mark.timeout(10)
@@ -162,6 +174,14 @@ def test_ring_allreduce_time_follows_the_alpha_beta_formula():
     assert ring_allreduce_time(1e9, 1, 1e-5, 1e10) == 0.0
     sizes = np.array([1e3, 1e6])
     np.testing.assert_allclose(ring_allreduce_time(sizes, 2, 0.0, 1e9), sizes / 1e9)
+
+
+@pytest.mark.timeout(10)
+def test_server_step_time_follows_the_alpha_beta_formula():
+    assert server_step_time(1e9, 4, 1e-5, 1e10) == pytest.approx(6 * (1e-5 + 0.1))
+    assert server_step_time(1e9, 1, 1e-5, 1e10) == 0.0
+    sizes = np.array([1e3, 1e6])
+    np.testing.assert_allclose(server_step_time(sizes, 2, 0.0, 1e9), 2 * sizes / 1e9)
 
 
 @pytest.mark.timeout(10)

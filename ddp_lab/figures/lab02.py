@@ -5,9 +5,10 @@ cell that ends with the call shows it exactly once.
 
 - :func:`collectives`: each rank's tensor before and after broadcast, all_reduce, ...;
 - :func:`ring_steps`: the chunks every rank holds after each step of a ring all-reduce;
-- :func:`busiest_link`: bytes through the busiest link, parameter server against ring;
-- :func:`model_scaling`: how the alpha-beta model's time grows with the number of ranks;
+- :func:`staleness_curves`: the loss of a parameter server with staleness 0, 1, 2, ...;
+- :func:`model_scaling`: how the alpha-beta models' times grow with the number of ranks;
 - :func:`bandwidth_sweep`: measured all-reduce times with the fitted alpha-beta line;
+- :func:`ring_vs_server`: measured times of the ring and the server against ``n``;
 - :func:`send_recv_order`: why blocking receives deadlock and posted sends do not.
 """
 
@@ -193,27 +194,29 @@ def ring_steps(world_size: int = 3, schedule: Sequence | None = None) -> Figure:
     return _done(fig)
 
 
-def busiest_link(max_world_size: int = 16) -> Figure:
-    """Bytes through the busiest rank's link per all-reduce of ``S`` bytes, against ``n``.
+def staleness_curves(curves: Mapping) -> Figure:
+    """The loss after every step of the same training with different staleness bounds.
 
-    The parameter server receives ``n - 1`` tensors and sends ``n - 1`` back: ``2(n - 1) S``
-    through its link. Every ring rank sends and receives ``2(n - 1)/n S``, less than ``2 S``.
+    Args:
+        curves: ``{staleness: [loss at the start, after step 1, ...]}`` (keys may be strings,
+            as they come back from JSON).
+
+    Returns:
+        One panel, the loss on a log scale against the step, one line per staleness.
 
     Example:
-        >>> len(busiest_link(8).axes)
+        >>> len(staleness_curves({0: [1.0, 0.5, 0.2], "1": [1.0, 0.7, 0.6]}).axes)
         1
     """
-    n = np.arange(2, max_world_size + 1)
-    server = 2 * (n - 1)  # n - 1 tensors in, n - 1 tensors out
-    ring = 2 - 2 / n  # n - 1 chunks of S/n in each of the two phases
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    ax.plot(n, server, "o-", color=COLORS[3], label="parameter server: 2(n-1) S")
-    ax.plot(n, ring, "o-", color=COLORS[2], label="ring: 2(n-1)/n S")
-    ax.set_xlabel("ranks n")
-    ax.set_ylabel("bytes through the busiest link / S")
+    for i, (s, curve) in enumerate(sorted(curves.items(), key=lambda kv: int(kv[0]))):
+        label = "synchronous (staleness 0)" if int(s) == 0 else f"staleness {s}"
+        ax.plot(range(len(curve)), curve, "-", color=COLORS[i % len(COLORS)], label=label)
     ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss over all workers' data")
     ax.legend(fontsize=9)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     return _done(fig)
 
 
@@ -223,18 +226,21 @@ def model_scaling(
     bandwidth: float = 10e9,
     sizes: Sequence[float] = (1e3, 1e6, 1e9),
     max_world_size: int = 64,
+    server_fn: Callable | None = None,
 ) -> Figure:
-    """The alpha-beta model's all-reduce time for several message sizes, against ``n``.
+    """The alpha-beta models' times for several message sizes, against ``n``.
 
     Args:
         time_fn: ``time_fn(size_bytes, world_size, alpha, bandwidth)``: your ``ring_time``.
         alpha, bandwidth: the model's latency (s) and bandwidth (bytes/s).
         sizes: message sizes in bytes, one line each.
         max_world_size: the largest ``n`` drawn.
+        server_fn: another model with the same arguments (your ``server_time``), drawn
+            dashed, relative to the ring on 2 ranks.
 
     Returns:
-        Time relative to 2 ranks: small messages grow with the ``2(n - 1)`` latencies, large
-        ones level off below 2x.
+        Time relative to the ring on 2 ranks: small messages grow with the latencies; large
+        ones level off below 2x in the ring.
 
     Example:
         >>> def toy(size, n, alpha, bandwidth):  # any model; the notebook passes ring_time
@@ -246,13 +252,16 @@ def model_scaling(
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for i, s in enumerate(sizes):
         t = np.array([float(time_fn(s, int(k), alpha, bandwidth)) for k in n])
-        ax.plot(n, t / t[0], "o-", color=COLORS[i], label=f"S = {_bytes(s)}")
+        ax.plot(n, t / t[0], "o-", color=COLORS[i], label=f"ring, S = {_bytes(s)}")
+        if server_fn is not None:
+            ts = np.array([float(server_fn(s, int(k), alpha, bandwidth)) for k in n])
+            ax.plot(n, ts / t[0], "--", color=COLORS[i], label=f"server, S = {_bytes(s)}")
     ax.set_xscale("log", base=2)
     ax.set_xticks([k for k in (2, 4, 8, 16, 32, 64, 128, 256) if k <= max_world_size])
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")
     ax.set_xlabel("ranks n")
-    ax.set_ylabel("time / time on 2 ranks")
+    ax.set_ylabel("time / ring time on 2 ranks")
     ax.set_title(f"alpha = {alpha * 1e6:g} us, B = {bandwidth / 1e9:g} GB/s", fontsize=10)
     ax.legend(fontsize=9)
     ax.grid(alpha=0.3, which="both")
@@ -323,6 +332,43 @@ def bandwidth_sweep(
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=10)
+    return _done(fig)
+
+
+def ring_vs_server(race: Mapping) -> Figure:
+    """Measured times of ``dist.all_reduce``, a ring and a parameter-server step against ``n``.
+
+    Args:
+        race: ``{n: {"sizes": [S, ...], "seconds": {design: [seconds per size]}}}``, what the
+            notebook's ``race.py`` wrote for each number of ranks.
+
+    Returns:
+        One panel per message size: milliseconds against the number of ranks, one line per
+        design.
+
+    Example:
+        >>> run = {"sizes": [64, 4096], "seconds": {"ring": [1e-4, 2e-4], "server": [1e-4, 4e-4]}}
+        >>> len(ring_vs_server({2: run, 3: run}).axes)
+        2
+    """
+    ns = sorted(race, key=int)
+    sizes = race[ns[0]]["sizes"]
+    designs = list(race[ns[0]]["seconds"])
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.2), squeeze=False)
+    for j, (ax, size) in enumerate(zip(axes[0], sizes, strict=True)):
+        for i, design in enumerate(designs):
+            ms = [race[n]["seconds"][design][j] * 1e3 for n in ns]
+            ax.plot([int(n) for n in ns], ms, "o-", color=COLORS[i % len(COLORS)], label=design)
+        ax.set_xticks([int(n) for n in ns])
+        ax.set_xlabel("ranks n")
+        ax.set_ylabel("time (ms)")
+        ax.set_ylim(bottom=0)
+        binary = next(
+            (f"{size / k:g} {u}" for u, k in (("MB", 2**20), ("KB", 2**10)) if size >= k), ""
+        )
+        ax.set_title(f"S = {binary or f'{size} B'}", fontsize=10)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     return _done(fig)
 
 

@@ -2,10 +2,12 @@
 diagnoses (instructor only).
 
 - ring all-reduce: a wrong chunk is explained with the ring's schedule;
-- ``ring_time``: the exact alpha-beta formula (relative 1e-6), and which factor is missing;
-- ``fit_alpha_beta``: the grading inputs are synthetic times of the exact model (3% noise,
-  3 to 8 ranks and 16); the fit must equal the reference least squares on relative errors
-  (relative 1e-3), and a wrong fit is named (absolute errors, a missing factor, ...).
+- the parameter servers: the kit's oracle is already the exact trajectory (nothing to add);
+- the cost model: ``ring_time`` and ``server_time`` must equal the exact alpha-beta formulas
+  (relative 1e-6), and a wrong one is told which factor is missing; the fit gets two more
+  cases, synthetic times of the exact model (3% noise, 3 to 8 ranks and 16), where it must
+  equal the reference least squares on relative errors (relative 1e-3), and a wrong fit is
+  named (absolute errors, a missing factor, ...).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 
 from ddp_lab.answers import Hidden
 from ddp_lab.answers.lab02.references import fit_alpha_beta as reference_fit
-from ddp_lab.answers.lab02.references import ring_allreduce_time
+from ddp_lab.answers.lab02.references import ring_allreduce_time, server_step_time
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab02 import ex1_ring_all_reduce
+from ddp_lab.checks.lab02 import ex1_ring_all_reduce, ex4_cost_model
 from ddp_lab.checks.values import log_uniform, randint
 
 RING_SCHEDULE = (
@@ -44,56 +46,74 @@ def ring_explain(inputs: dict, outputs: dict) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- ring_time
+# --------------------------------------------------------------------------- the two models
 
 
-def ring_time_problem(got, case: dict) -> str | None:
-    """What is wrong with one case's ``ring_time`` result, or None (the formula holds)."""
-    sizes, n = case["sizes"].numpy(), case["n"]
-    alpha, bandwidth = case["alpha"], case["bandwidth"]
-    if got is None:
-        return "ring_time returned None: return the predicted time"
-    if not isinstance(got, torch.Tensor):
-        return f"ring_time: expected a number or an array of seconds, got {got}"
-    want = np.atleast_1d(ring_allreduce_time(sizes, n, alpha, bandwidth))
-    got = got.double().numpy()
-    if got.shape != want.shape:
-        return f"expected {want.size} time(s), one per size, got {got.size}"
-    if np.allclose(got, want, rtol=1e-6, atol=0):
-        return None
-    where = f"n = {n}, alpha = {alpha:.3g} s, B = {bandwidth:.3g} B/s, S = {sizes[0]:.4g} B"
-    said = f"{where}: expected {want[0]:.6g} s, got {got[0]:.6g} s"
+def _ring_hints(sizes, n, alpha, bandwidth):
     steps = 2 * (n - 1)
-    hints = [
+    return [
         (sizes / bandwidth + steps * alpha, "the bandwidth term needs the factor 2(n - 1)/n"),
         (steps / n * sizes / bandwidth + alpha, "every one of the 2(n - 1) steps pays alpha"),
         (steps / n * sizes / bandwidth, "the latency term 2(n - 1) * alpha is missing"),
         (steps * alpha + 8 * steps / n * sizes / bandwidth, "sizes and B are both in bytes"),
     ]
-    for wrong, hint in hints:
-        if np.allclose(got, np.atleast_1d(wrong), rtol=1e-6, atol=0):
-            return f"{said}: {hint}"
-    return f"{said}: T = 2(n - 1) * alpha + 2(n - 1)/n * S / B"
+
+
+def _server_hints(sizes, n, alpha, bandwidth):
+    return [
+        (
+            (n - 1) * (alpha + sizes / bandwidth),
+            "the parameters go back to every worker too: 2(n - 1) messages through the link",
+        ),
+        (
+            2 * (n - 1) * alpha + 2 * (n - 1) / n * sizes / bandwidth,
+            "that is the ring's cost: through the server's one link every message travels "
+            "whole, one after the other",
+        ),
+        (
+            2 * (n - 1) * alpha + 2 * sizes / bandwidth,
+            "each worker's gradient and each copy of the parameters crosses the server's link: "
+            "the bandwidth term grows with n",
+        ),
+        (2 * alpha + 2 * (n - 1) * sizes / bandwidth, "each of the 2(n - 1) messages pays alpha"),
+    ]
+
+
+MODELS = {
+    "ring_time": (ring_allreduce_time, _ring_hints, "T = 2(n - 1) * alpha + 2(n - 1)/n * S / B"),
+    "server_time": (server_step_time, _server_hints, "T = 2(n - 1) * (alpha + S / B)"),
+}
+
+
+def time_problem(name: str, got, case: dict) -> str | None:
+    """What is wrong with one case's ``ring_time`` / ``server_time`` result, or None."""
+    reference, hints, formula = MODELS[name]
+    sizes, n = case["sizes"].numpy(), case["n"]
+    alpha, bandwidth = case["alpha"], case["bandwidth"]
+    if got is None:
+        return f"{name} returned None: return the predicted time"
+    if not isinstance(got, torch.Tensor):
+        return f"{name}: expected a number or an array of seconds, got {got}"
+    want = np.atleast_1d(reference(sizes, n, alpha, bandwidth))
+    got = got.double().numpy()
+    if got.shape != want.shape:
+        return f"{name}: expected {want.size} time(s), one per size, got {got.size}"
+    if np.allclose(got, want, rtol=1e-6, atol=0):
+        return None
+    where = f"n = {n}, alpha = {alpha:.3g} s, B = {bandwidth:.3g} B/s, S = {sizes[0]:.4g} B"
+    said = f"{name}, {where}: expected {want[0]:.6g} s, got {got[0]:.6g} s"
+    if n > 1:
+        for wrong, hint in hints(sizes, n, alpha, bandwidth):
+            if np.allclose(got, np.atleast_1d(wrong), rtol=1e-6, atol=0):
+                return f"{said}: {hint}"
+    return f"{said}: {formula}"
 
 
 def _time_problems(inputs: dict, outputs: dict):
-    for case, got in zip(inputs["cases"], outputs["cases"], strict=True):
-        if why := ring_time_problem(got["times"], case):
-            yield why
-
-
-def ring_time_check(inputs: dict, outputs: dict) -> None:
-    """The exact formula, on every case."""
-    if why := next(_time_problems(inputs, outputs), None):
-        raise CheckFailed(why)
-
-
-def ring_time_explain(inputs: dict, outputs: dict) -> str | None:
-    """The first case that breaks the formula, with the hint that names the mistake."""
-    try:
-        return next(_time_problems(inputs, outputs), None)
-    except (KeyError, TypeError, ValueError):  # malformed outputs: the kit's message stays
-        return None
+    for name in MODELS:
+        for case, got in zip(inputs["times"], outputs[name], strict=True):
+            if why := time_problem(name, got["times"], case):
+                yield why
 
 
 # --------------------------------------------------------------------------- fit_alpha_beta
@@ -107,16 +127,23 @@ def synthetic_times(gen: torch.Generator, n: int, points: int, noise: float):
     return sizes, ring_allreduce_time(sizes, n, alpha, bandwidth) * factor, alpha, bandwidth
 
 
-def fit_inputs(gen: torch.Generator) -> dict:
-    """The graded case set: 14 sizes, 3% noise, on 3 to 8 ranks and on 16 (more than 2, so
-    that the factor 2(n - 1)/n matters)."""
+def measured_cases(gen: torch.Generator) -> list[dict]:
+    """Two cases of the exact model's times: 14 sizes, 3% noise, on 3 to 8 ranks and on 16
+    (more than 2, so that the factor 2(n - 1)/n matters)."""
     cases = []
     for n in (randint(gen, 3, 8), 16):
         sizes, seconds, _, _ = synthetic_times(gen, n, 14, 0.03)
         cases.append(
             {"sizes": torch.from_numpy(sizes), "seconds": torch.from_numpy(seconds), "n": n}
         )
-    return {"cases": cases}
+    return cases
+
+
+def cost_inputs(gen: torch.Generator) -> dict:
+    """The kit's case set, plus :func:`measured_cases` for the fit."""
+    inputs = ex4_cost_model.make_inputs(gen)
+    inputs["fits"] += measured_cases(gen)
+    return inputs
 
 
 def fit_problem(got, sizes: np.ndarray, seconds: np.ndarray, n: int) -> str | None:
@@ -150,28 +177,34 @@ def fit_problem(got, sizes: np.ndarray, seconds: np.ndarray, n: int) -> str | No
 
 
 def _fit_problems(inputs: dict, outputs: dict):
-    for case, got in zip(inputs["cases"], outputs["fits"], strict=True):
+    for case, got in zip(inputs["fits"], outputs["fits"], strict=True):
+        if "noise" in case:  # times of the student's own ring_time: the kit's judge decides
+            continue
         sizes, seconds = case["sizes"].numpy(), case["seconds"].numpy()
         if why := fit_problem(got["fit"], sizes, seconds, case["n"]):
             yield why
 
 
-def fit_check(inputs: dict, outputs: dict) -> None:
-    """The reference least squares on relative errors, on every case."""
-    if why := next(_fit_problems(inputs, outputs), None):
+def _problems(inputs: dict, outputs: dict):
+    yield from _time_problems(inputs, outputs)
+    yield from _fit_problems(inputs, outputs)
+
+
+def cost_check(inputs: dict, outputs: dict) -> None:
+    """The exact formulas on every case, the reference fit on the measured cases."""
+    if why := next(_problems(inputs, outputs), None):
         raise CheckFailed(why)
 
 
-def fit_explain(inputs: dict, outputs: dict) -> str | None:
-    """The first case whose fit differs from the reference, with the likely mistake."""
+def cost_explain(inputs: dict, outputs: dict) -> str | None:
+    """The first formula or fit that is wrong, with the hint that names the mistake."""
     try:
-        return next(_fit_problems(inputs, outputs), None)
+        return next(_problems(inputs, outputs), None)
     except (KeyError, TypeError, ValueError):  # malformed outputs: the kit's message stays
         return None
 
 
 HIDDEN = {
     "test_ex1_ring_all_reduce": Hidden(explain=ring_explain),
-    "test_ex3_ring_time": Hidden(check=ring_time_check, explain=ring_time_explain),
-    "test_ex4_fit_alpha_beta": Hidden(inputs=fit_inputs, check=fit_check, explain=fit_explain),
+    "test_ex4_cost_model": Hidden(inputs=cost_inputs, check=cost_check, explain=cost_explain),
 }

@@ -1,10 +1,11 @@
-"""Reference answers of lab 2: a ring all-reduce, a parameter server, and their cost model.
+"""Reference answers of lab 2: a ring all-reduce and the cost models (the parameter servers
+are in :mod:`ddp_lab.answers.lab02.servers`).
 
 **Instructor only** (``ddp_lab.answers`` is not in the student kit). What the solutions of
 ``solutions/lab02_collectives`` do, written as a small library that the grader's exact
-checks (:mod:`ddp_lab.answers.lab02.hidden`) and the tests use. Both collectives are built
-from point-to-point messages only (``dist.isend`` / ``dist.recv``), so that every byte that
-moves is a line you can point at, and both must agree with ``dist.all_reduce``.
+checks (:mod:`ddp_lab.answers.lab02.hidden`), the tests and ``make bench`` use. The ring is
+built from point-to-point messages only (``dist.isend`` / ``dist.recv``), so that every byte
+that moves is a line you can point at, and it must agree with ``dist.all_reduce``.
 
 **Ring all-reduce** (exercise 1). The ``n`` ranks sit on a ring; rank ``r`` only ever sends
 to ``r + 1`` and receives from ``r - 1`` (mod ``n``). The tensor is flattened and cut into
@@ -20,13 +21,13 @@ unequal length, some empty when the tensor has fewer than ``n`` elements). Then 
 :func:`ring_schedule` lists the same messages as plain Python, for checking a schedule (and
 simulating a ring in the tests) without starting processes.
 
-**Parameter server** (exercise 2): :func:`parameter_server_average`.
-
-**Alpha-beta model** (exercises 3 and 4). Each of the ``2(n - 1)`` steps pays a latency
+**Alpha-beta models** (exercise 4). Each of the ring's ``2(n - 1)`` steps pays a latency
 ``alpha`` and moves ``S / n`` bytes at bandwidth ``B``, so a ring all-reduce of ``S`` bytes
-takes ``2(n - 1)/n * S/B + 2(n - 1) * alpha`` (:func:`ring_allreduce_time`);
-:func:`fit_alpha_beta` recovers ``alpha`` and ``B`` from measured times. Measuring them is
-runtime, not an answer: :func:`ddp_lab.bandwidth.measure_all_reduce`.
+takes ``2(n - 1)/n * S/B + 2(n - 1) * alpha`` (:func:`ring_allreduce_time`). One step of the
+synchronous server passes ``2(n - 1)`` whole messages through the server's one link, one after
+the other: ``2(n - 1) * (alpha + S/B)`` (:func:`server_step_time`). :func:`fit_alpha_beta`
+recovers ``alpha`` and ``B`` from measured times. Measuring them is runtime, not an answer:
+:func:`ddp_lab.bandwidth.measure_all_reduce`.
 """
 
 from __future__ import annotations
@@ -192,64 +193,6 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-# --------------------------------------------------------------------------- the server
-
-
-def parameter_server_average(
-    tensor: torch.Tensor, server_rank: int = 0, group=None
-) -> torch.Tensor:
-    """Average ``tensor`` over all ranks, in place, through one central server rank.
-
-    Every worker sends its tensor to the server; the server adds them up (in rank order),
-    divides by the world size and sends the average back to every worker. The server's links
-    carry ``2(n - 1)`` full tensors, which is why the ring scales better.
-
-    Args:
-        tensor: the local values (floating point; same shape on every rank).
-        server_rank: the rank that plays the server (rank within ``group``).
-        group: the process group (default: the whole job).
-
-    Returns:
-        ``tensor`` itself, now ``all_reduce(SUM) / world_size``. With one rank it is left
-        unchanged.
-
-    Raises:
-        ValueError: when ``server_rank`` is not a rank of the group.
-
-    Example:
-        >>> # torchrun --nproc_per_node=2 ...; rank r holds [2.0 * r]
-        >>> parameter_server_average(torch.tensor([2.0 * r]))  # doctest: +SKIP
-        tensor([1.])
-    """
-    rank, n = _rank_and_size(group)
-    if not 0 <= server_rank < n:
-        raise ValueError(f"server_rank must be in 0..{n - 1}, got {server_rank}")
-    if n == 1 or tensor.numel() == 0:
-        return tensor
-    with torch.no_grad():
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        server = _peer(group, server_rank)
-        if rank == server_rank:
-            total = torch.zeros_like(flat)
-            incoming = torch.empty_like(flat)
-            for r in range(n):  # rank order, like the reference sum
-                if r == server_rank:
-                    total.add_(flat)
-                else:
-                    dist.recv(incoming, _peer(group, r), group=group)
-                    total.add_(incoming)
-            flat.copy_(total.div_(n))
-            sends = [dist.isend(flat, _peer(group, r), group=group) for r in range(n) if r != rank]
-            for req in sends:
-                req.wait()
-        else:
-            dist.send(flat, server, group=group)
-            dist.recv(flat, server, group=group)
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
-    return tensor
-
-
 # --------------------------------------------------------------------------- alpha-beta model
 
 
@@ -279,6 +222,24 @@ def ring_allreduce_time(
     n = world_size
     t = 2 * (n - 1) / n * np.asarray(size_bytes, dtype=float) / beta_bytes_per_s
     t = t + 2 * (n - 1) * alpha
+    return float(t) if t.ndim == 0 else t
+
+
+def server_step_time(
+    size_bytes: float | np.ndarray, world_size: int, alpha: float, beta_bytes_per_s: float
+) -> float | np.ndarray:
+    """Predicted time of one synchronous parameter-server step under the alpha-beta model.
+
+    ``T = 2(n - 1) * (alpha + S/B)``: the server's one link receives the ``n - 1`` workers'
+    gradients, then sends the parameters back to each of them, one message after the other.
+
+    Example:
+        >>> server_step_time(1e9, 4, alpha=1e-5, beta_bytes_per_s=1e10)
+        0.60006
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    t = 2 * (world_size - 1) * (alpha + np.asarray(size_bytes, dtype=float) / beta_bytes_per_s)
     return float(t) if t.ndim == 0 else t
 
 

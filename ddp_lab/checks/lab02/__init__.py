@@ -1,19 +1,26 @@
-"""Checks of lab 2 (processes and collectives): one visible check per test cell.
+"""Checks of lab 2 (processes and collectives): four exercises, 16 autograded points.
 
-========================================  ============================================
-test cell                                 visible check (in the student's kernel)
-========================================  ============================================
-``test_ex1_ring_all_reduce``              ``ring_all_reduce("ring.py")``: 3 ranks
-``test_ex2_parameter_server``             ``parameter_server_average("ps.py")``: 3 ranks
-``test_ex3_ring_time``                    ``ring_time(ring_time)``: properties
-``test_ex4_fit_alpha_beta``               ``fit_alpha_beta(fit_alpha_beta, ring_time)``
-========================================  ============================================
+1. ``ring_all_reduce`` (5, file ``ring.py``, every rank): judged against the sum over the
+   ranks, and by its traffic (recorded by the checker): only to the right neighbour,
+   ``2(n - 1)/n`` of the tensor per rank;
+2. ``parameter_server`` (4, file ``ps.py``, every rank): a synchronous server that holds the
+   parameters and the optimizer; judged against one process's trajectory;
+3. ``stale_parameter_server`` (3, file ``ps_stale.py``, every rank): the same with bounded
+   staleness; judged against the trajectory of the staleness rule;
+4. ``ring_time``, ``server_time``, ``fit_alpha_beta`` (4): properties of the alpha-beta
+   models, the fit's units, recovery and least relative errors.
 
-Each runs its exercise's contract (``ex1_ring_all_reduce.py`` ... ``ex4_fit_alpha_beta.py``)
-through :func:`ddp_lab.checks.runner.visible`: the same run and the same judge as the grader,
-on small fixed inputs. The distributed ones start a torchrun job whose ranks are
-:mod:`ddp_lab.checks.rank_worker`; under ``nbgrader autograde`` they only say that the grader
-runs them (outside the kernel).
+One file per exercise holds its contract. The functions below are the notebook's visible
+checks: each runs its exercise on small fixed inputs through
+:func:`ddp_lab.checks.runner.visible` (the distributed ones in one torchrun job of 3 ranks,
+with runs on 2 and on 3 of them) and prints ``OK: ...`` or raises
+:class:`~ddp_lab.checks.failure.CheckFailed`; under ``nbgrader autograde`` the distributed ones
+only say that the grader runs them (outside the kernel).
+
+Example:
+    >>> from ddp_lab.checks import lab02 as checks
+    >>> checks.ring_all_reduce("ring.py")  # doctest: +SKIP
+    OK: ring_all_reduce() from ring.py on 2 and 3 ranks equals dist.all_reduce ...
 """
 
 from __future__ import annotations
@@ -21,120 +28,92 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from ddp_lab.checks import runner
-from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab02 import (
-    common,
     ex1_ring_all_reduce,
     ex2_parameter_server,
-    ex3_ring_time,
-    ex4_fit_alpha_beta,
+    ex3_stale_server,
+    ex4_cost_model,
 )
-
-LAB = "lab02_collectives"
-EXERCISES = [
-    ex1_ring_all_reduce.EXERCISE,
-    ex2_parameter_server.EXERCISE,
-    ex3_ring_time.EXERCISE,
-    ex4_fit_alpha_beta.EXERCISE,
-]
-
-
-def ring_all_reduce(path: str = "ring.py", world_size: int = common.VISIBLE_WORLD_SIZE) -> None:
-    """Run ``ring_all_reduce`` from ``path`` on ``world_size`` ranks; compare with the sum.
-
-    Tensors of 1, 2, 3, 7, 10 and 3x5 elements (fewer than the ranks, not divisible by them,
-    2-D). The built-in collectives raise while your function runs.
-
-    Raises:
-        CheckFailed: naming the rank, the tensor and the wrong chunks; or the error your code
-            raised; or that a call deadlocked (stopped after 15 s) or the job hung.
-
-    Example:
-        >>> ring_all_reduce("ring.py")  # doctest: +SKIP
-        OK: ring_all_reduce() from ring.py on 3 ranks equals dist.all_reduce (the sum ...
-    """
-    runner.visible(
-        LAB,
-        "test_ex1_ring_all_reduce",
-        folder=Path(path).parent,
-        inputs=common.visible_cases(world_size),
-    )
-
-
-def parameter_server_average(
-    path: str = "ps.py", world_size: int = common.VISIBLE_WORLD_SIZE
-) -> None:
-    """Run ``parameter_server_average`` from ``path`` on ``world_size`` ranks.
-
-    Every rank must end with ``dist.all_reduce(tensor) / world_size``.
-
-    Raises:
-        CheckFailed: naming the rank, the tensor and what differs (e.g. the sum instead of
-            the average, workers that never got the average back).
-    """
-    runner.visible(
-        LAB,
-        "test_ex2_parameter_server",
-        folder=Path(path).parent,
-        inputs=common.visible_cases(world_size),
-    )
-
-
-def ring_time(fn: Callable) -> None:
-    """Check ``ring_time(size_bytes, world_size, alpha, bandwidth)`` for the properties of a
-    ring's cost (see :mod:`ddp_lab.checks.lab02.ex3_ring_time`).
-
-    Raises:
-        CheckFailed: the property that does not hold, with the numbers.
-    """
-    runner.visible(LAB, "test_ex3_ring_time", functions={"ring_time": fn})
-
-
-def fit_alpha_beta(fn: Callable, ring_time: Callable) -> None:
-    """Check ``fit_alpha_beta(sizes, seconds, world_size)`` on times made by your
-    ``ring_time``: exact ones must give back their alpha and B, noisy ones the pair that
-    minimises the relative errors.
-
-    Raises:
-        CheckFailed: what the fit returned and what was expected; or that ``ring_time`` must
-            be finished first (the times are made with it).
-    """
-    try:
-        outputs = ex3_ring_time.run(
-            {"ring_time": ring_time}, ex3_ring_time.visible_inputs(torch.Generator()), Path(".")
-        )
-        ex3_ring_time.judge(ex3_ring_time.visible_inputs(torch.Generator()), outputs)
-    except NotImplementedError:
-        raise CheckFailed(
-            "this check makes its times with your ring_time, which still raises "
-            "NotImplementedError: finish exercise 3 first"
-        ) from None
-    except CheckFailed as err:
-        raise CheckFailed(
-            f"this check makes its times with your ring_time, which fails its own check "
-            f"({err}): fix exercise 3 first"
-        ) from None
-    except Exception as err:  # noqa: BLE001 - the student's error, said in one line
-        raise CheckFailed(
-            f"this check makes its times with your ring_time, which raised "
-            f"{type(err).__name__}: {err}: fix exercise 3 first"
-        ) from None
-    runner.visible(
-        LAB,
-        "test_ex4_fit_alpha_beta",
-        functions={"fit_alpha_beta": fn},
-        inputs=ex4_fit_alpha_beta.inputs_from_model(ring_time),
-    )
-
+from ddp_lab.checks.lab02.common import LAB, RING_FILE, SERVER_FILE, STALE_FILE
 
 __all__ = [
     "EXERCISES",
+    "GRADING",
     "LAB",
-    "fit_alpha_beta",
-    "parameter_server_average",
+    "cost_model",
+    "parameter_server",
+    "ready",
     "ring_all_reduce",
-    "ring_time",
+    "stale_parameter_server",
 ]
+
+#: The exercises, in the order of the notebook's test cells.
+EXERCISES = [
+    ex1_ring_all_reduce.EXERCISE,
+    ex2_parameter_server.EXERCISE,
+    ex3_stale_server.EXERCISE,
+    ex4_cost_model.EXERCISE,
+]
+
+#: True while ``nbgrader autograde`` runs the notebook: the notebook then skips its
+#: demonstrations (the grader judges the exercises outside the kernel).
+GRADING = runner.grading()
+
+#: Which exercise writes which file (for "finish exercise N first").
+EXERCISE_OF_FILE = {RING_FILE: 1, SERVER_FILE: 2, STALE_FILE: 3}
+
+
+def ring_all_reduce(path: str = RING_FILE) -> None:
+    """Visible check of exercise 1: the file on 3 processes (torchrun), runs on 2 and on 3
+    ranks, tensors of 1, 2, 3, 7, 10 and 3x5 small integers; the sum on every rank, and only
+    messages to the right neighbour, ``2(n - 1)/n`` of the tensor per rank."""
+    runner.visible(LAB, "test_ex1_ring_all_reduce", folder=Path(path).parent)
+
+
+def parameter_server(path: str = SERVER_FILE) -> None:
+    """Visible check of exercise 2: the file on 3 processes (torchrun), 3 steps on 2 ranks
+    and on 3; every gradient, every server step and every rank's final parameters."""
+    runner.visible(LAB, "test_ex2_parameter_server", folder=Path(path).parent)
+
+
+def stale_parameter_server(path: str = STALE_FILE) -> None:
+    """Visible check of exercise 3: the file on 3 processes (torchrun), staleness 1 on 2 and
+    on 3 ranks, staleness 2 on 3 ranks."""
+    runner.visible(LAB, "test_ex3_stale_server", folder=Path(path).parent)
+
+
+def cost_model(ring_time: Callable, server_time: Callable, fit_alpha_beta: Callable) -> None:
+    """Visible check of exercise 4: both models' properties on fixed cases, then the fit on
+    times made by your ``ring_time`` (exact on 4 ranks, with 2% noise on 4 and on 2)."""
+    functions = {"ring_time": ring_time, "server_time": server_time}
+    functions["fit_alpha_beta"] = fit_alpha_beta
+    runner.visible(LAB, "test_ex4_cost_model", functions=functions)
+
+
+def ready(*files: str, folder: str | Path = ".") -> bool:
+    """True when the exercises that write ``files`` are done (the files exist and no longer
+    hold the released stub); else print which exercise to finish first and return False.
+
+    A demo cell that runs your files starts with it, so that an unfinished exercise is a
+    one-line hint instead of a traceback from every rank.
+
+    Example:
+        >>> ready("ring.py", "ps.py", folder="/nowhere")
+        finish exercises 1 and 2 first: ring.py was not written yet (run its %%writefile cell)
+        False
+    """
+    todo = []
+    for name in files:
+        path = Path(folder) / name
+        if not path.is_file():
+            todo.append((name, "was not written yet (run its %%writefile cell)"))
+        elif runner.STUB in path.read_text():
+            todo.append((name, "still holds the stub"))
+    if not todo:
+        return True
+    numbers = sorted({EXERCISE_OF_FILE.get(name, 0) for name, _ in todo})
+    which = " and ".join(str(n) for n in numbers)
+    name, why = todo[0]
+    print(f"finish exercise{'s' * (len(numbers) > 1)} {which} first: {name} {why}")
+    return False

@@ -1,147 +1,126 @@
-"""What the two hand-written collectives of lab 2 share: cases, the run on every rank, the
-oracle judge.
+"""What lab 2's distributed exercises share: their files, one torchrun job of 3 ranks that
+grades both 2 and 3 ranks, a watchdog around every call, tolerances.
 
-Both exercises (``ring.py``: a ring all-reduce, ``ps.py``: a parameter-server average) run
-the student's function on every rank of a torchrun job, on tensors whose result is known from
-the inputs alone: the element-wise **sum over the ranks** (what ``dist.all_reduce`` gives),
-or that sum divided by the world size. The judge compares with that oracle and, when a rank
-is wrong, says where and how (not in place, unchanged, the average instead of the sum,
-chunks that miss some ranks' contributions).
+Every distributed exercise of the lab (the ring, the two parameter servers) is graded in
+**one** torchrun job of :data:`JOB_RANKS` ranks. Its case holds several *runs*, each over
+``ranks`` = 2 or 3 of them: in a 2-rank run, ranks 0 and 1 run the student's function while
+rank 2 sits it out, and :func:`acting_world` makes ``dist.get_world_size()`` (and
+``$WORLD_SIZE``) say 2 to the student's code. That is the checker's business: point-to-point
+messages between ranks 0 and 1 need no process group of their own, so the student's code is
+the same whatever the run. A barrier of the whole job separates the runs.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from ddp_lab.checks import guards
-from ddp_lab.checks.failure import CheckFailed, is_close
-from ddp_lab.checks.values import kind, randint
 
-#: Seconds one call of the student's collective may take on a rank (small tensors: ms).
+LAB = "lab02_collectives"
+#: Files the notebook's distributed solution cells write (``%%writefile``).
+RING_FILE, SERVER_FILE, STALE_FILE = "ring.py", "ps.py", "ps_stale.py"
+#: Ranks of the one torchrun job that grades a distributed exercise (runs on 2 and 3 ranks).
+JOB_RANKS = 3
+#: Seconds one call of the student's function may take on a rank (small tensors: ms).
 CALL_TIMEOUT_S = 15.0
-#: The visible checks: 3 ranks, these shapes, small integers (float64).
-VISIBLE_WORLD_SIZE = 3
-VISIBLE_SHAPES = [(1,), (2,), (3,), (7,), (10,), (3, 5)]
+
+_barrier = dist.barrier  # the checker's own (taken before any student code runs)
+_real_world_size = dist.get_world_size
+_acting: list[int | None] = [None]
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One hand-written collective: where it lives and what it must equal."""
-
-    file: str  # the file the notebook's %%writefile cell writes
-    function: str  # the function it defines
-    average: bool  # True: the sum over the ranks divided by their number
-    equals: str  # what the result must be, in words
-    hang_hint: str  # the likely cause of a deadlock
+def _world_size(group=None) -> int:
+    if _acting[0] is not None and (group is None or group is dist.group.WORLD):
+        return _acting[0]
+    return _real_world_size(group)
 
 
-RING = Collective(
-    "ring.py",
-    "ring_all_reduce",
-    False,
-    "dist.all_reduce (the sum over the ranks)",
-    "Does every rank block in recv (or in a blocking send) before its own message is on its "
-    "way? Post the send with dist.isend first, then recv, then wait()",
-)
-SERVER = Collective(
-    "ps.py",
-    "parameter_server_average",
-    True,
-    "dist.all_reduce / world_size (the average over the ranks)",
-    "Does every worker send once and receive once, and does the server receive from every "
-    "worker before it sends the average back to each of them?",
-)
+@contextmanager
+def acting_world(n: int) -> Iterator[None]:
+    """While the block runs, the job looks like ``n`` ranks to the student's code.
 
-
-# --------------------------------------------------------------------------- inputs
-
-
-def make_cases(gen: torch.Generator, world_sizes: Sequence[int]) -> dict:
-    """The graded case set: per world size, seven tensors per rank.
-
-    Lengths 1 (fewer elements than ranks), ``n - 1``, a short and a long length that ``n``
-    does not divide, a multiple of ``n``, two 2-D shapes; float64, the last one float32;
-    values ``10 * randn``.
+    ``dist.get_world_size()`` (also when the student's file imported it by name, since
+    :func:`each_run` installs the replacement before the file loads) and ``$WORLD_SIZE``
+    say ``n``; everything else, ranks included, is the real job's.
     """
-    cases = []
-    for n in world_sizes:
-        small, big = randint(gen, n + 1, 39), randint(gen, 500, 2999)
-        shapes = [
-            (1,),
-            (n - 1,) if n > 2 else (3,),
-            (small + (small % n == 0),),
-            (big + (big % n == 0),),
-            (6 * n,),
-            (3, 2 * n + 1),
-            (5, 7),
-        ]
-        dtypes = [torch.float64] * (len(shapes) - 1) + [torch.float32]
-        data = [
-            [
-                torch.randn(s, generator=gen, dtype=torch.float64).to(d) * 10
-                for s, d in zip(shapes, dtypes, strict=True)
-            ]
-            for _ in range(n)
-        ]
-        cases.append({"world_size": n, "data": data})
-    return {"cases": cases}
+    saved, env = _acting[0], os.environ.get("WORLD_SIZE")
+    _acting[0] = n
+    os.environ["WORLD_SIZE"] = str(n)
+    try:
+        yield
+    finally:
+        _acting[0] = saved
+        if env is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = env
 
 
-def visible_cases(world_size: int = VISIBLE_WORLD_SIZE) -> dict:
-    """The visible check's case: :data:`VISIBLE_SHAPES` of small integers on every rank."""
-    data = []
-    for rank in range(world_size):
-        tensors = []
-        for i, shape in enumerate(VISIBLE_SHAPES):
-            gen = torch.Generator().manual_seed(1000 * i + rank)
-            tensors.append(torch.randint(-9, 10, shape, generator=gen).double())
-        data.append(tensors)
-    return {"cases": [{"world_size": world_size, "data": data}]}
+@contextmanager
+def world_view() -> Iterator[None]:
+    """Install the ``dist.get_world_size`` that :func:`acting_world` steers."""
+    dist.get_world_size = _world_size
+    try:
+        yield
+    finally:
+        dist.get_world_size = _real_world_size
 
 
-# --------------------------------------------------------------------------- one rank
+def each_run(case: dict, rank: int, one_run: Callable[[dict], object], load: Callable) -> list:
+    """``one_run(run)`` on this rank for every run of ``case`` it takes part in.
 
+    Args:
+        case: ``{"world_size": 3, "runs": [{"ranks": 2 or 3, ...}, ...]}``.
+        rank: this rank.
+        one_run: the student's function on one run (called inside :func:`acting_world`).
+        load: loads the student's file (called once, after the world view is installed).
 
-def run_rank(which: Collective) -> Callable:
-    """``run_rank`` of an exercise: the student's function on each of this rank's tensors.
-
-    The file is loaded with the built-in collectives refused; every call runs under a
-    watchdog that ends the rank with a one-line reason when it deadlocks.
+    Returns:
+        One entry per run: what ``one_run`` returned, or None where this rank sat it out.
     """
-
-    def run(ns: dict, inputs: dict, case: dict, rank: int, world_size: int) -> list:
-        module = guards.load_student_file(which.file, forbid=guards.COLLECTIVES)
-        fn = module.get(which.function)
-        if not callable(fn):
-            raise NameError(f"{which.file} defines no function {which.function}()")
-        out = []
-        for x in case["data"][rank]:
-            t = x.clone()
-
-            def hung(shape=tuple(t.shape)) -> str:
-                where = f"rank {dist.get_rank()} of {dist.get_world_size()}"
-                return (
-                    f"{which.function}() did not return within {CALL_TIMEOUT_S:g} s on {where} "
-                    f"(a tensor of shape {shape}): the ranks wait for each other. "
-                    f"{which.hang_hint}"
-                )
-
-            with guards.call_watchdog(CALL_TIMEOUT_S, hung):
-                returned = fn(t)
-            other = isinstance(returned, torch.Tensor) and returned is not t
-            out.append({"after": t, "returned": returned if other else None})
-        return out
-
-    return run
+    out = []
+    with world_view():
+        load()
+        for run in case["runs"]:
+            if rank < run["ranks"]:
+                with acting_world(run["ranks"]):
+                    out.append(one_run(run))
+            else:
+                out.append(None)
+            _barrier()  # the next run starts when every rank is done with this one
+    return out
 
 
-# --------------------------------------------------------------------------- the judge
+def watched(fn: Callable, what: str, hint: str) -> Callable:
+    """``fn`` under a watchdog: a call that does not return within :data:`CALL_TIMEOUT_S`
+    ends the rank with one line naming ``what`` hung and the likely cause (``hint``)."""
+
+    def call(*args):
+        def hung() -> str:
+            where = f"rank {dist.get_rank()} of {dist.get_world_size()}"
+            return (
+                f"{fn.__name__}() did not return within {CALL_TIMEOUT_S:g} s on {where} "
+                f"({what}): the ranks wait for each other. {hint}"
+            )
+
+        with guards.call_watchdog(CALL_TIMEOUT_S, hung):
+            return fn(*args)
+
+    return call
+
+
+def student_function(file: str, name: str) -> Callable:
+    """The function ``name`` of the student's ``file``, loaded with the collectives refused."""
+    module = guards.load_student_file(file, forbid=guards.COLLECTIVES)
+    fn = module.get(name)
+    if not callable(fn):
+        raise NameError(f"{file} defines no function {name}()")
+    return fn
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -149,131 +128,13 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return (1e-9, 1e-9) if dtype == torch.float64 else (1e-5, 1e-5)
 
 
-def _first_difference(got, expected: torch.Tensor) -> str:
-    if not isinstance(got, torch.Tensor):
-        return f"expected a tensor, got {kind(got)}"
-    if tuple(got.shape) != tuple(expected.shape):
-        return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
-    diff = torch.nan_to_num((got.double() - expected).abs().flatten(), nan=math.inf)
-    i = int(torch.argmax(diff))
-    return (
-        f"at flat index {i} expected {expected.flatten()[i].item():.6g}, "
-        f"got {got.flatten()[i].item():.6g}"
-    )
-
-
-def _partial_sums(got: torch.Tensor, xs: Sequence[torch.Tensor], chunks: list, tol) -> str:
-    """Which wrong chunks hold the sum over only some of the ranks (``""`` when none)."""
-    n = len(xs)
-    flats = [x.double().flatten() for x in xs]
-    said = []
-    for c in chunks:
-        idx = torch.tensor_split(torch.arange(flats[0].numel()), n)[c]
-        for size in range(1, n):
-            subset = next(
-                (
-                    s
-                    for s in itertools.combinations(range(n), size)
-                    if is_close(got[idx], sum(flats[r][idx] for r in s), *tol)
-                ),
-                None,
-            )
-            if subset is not None:
-                missing = sorted(set(range(n)) - set(subset))
-                said.append(f"chunk {c} misses rank(s) {missing}")
-                break
-    if not said:
-        return ""
-    return f". Partial sums: {', '.join(said)}: every chunk must collect every rank's values"
-
-
-def problem(which: Collective, xs: Sequence[torch.Tensor], afters: Sequence, returns) -> str | None:
-    """What is wrong with one call on every rank, or None when every rank is right.
-
-    Args:
-        which: the collective.
-        xs: each rank's tensor before the call.
-        afters: each rank's tensor after the call (the function works in place).
-        returns: what it returned on each rank when that was another tensor (else None).
-    """
-    n = len(xs)
-    total = torch.stack([x.double() for x in xs]).sum(0)
-    expected = total / n if which.average else total
-    tol = tolerance(xs[0].dtype)
-    ok = [is_close(a, expected, *tol) for a in afters]
-    if all(ok):
-        return None
-    bad = [r for r in range(n) if not ok[r]]
-    where = f"with {n} ranks and a tensor of shape {tuple(xs[0].shape)}"
-    if all(is_close(returns[r], expected, *tol) for r in bad):
-        return (
-            f"{where}: the function returned the right values, but `tensor` itself is not "
-            f"updated on rank(s) {bad}: work in place (e.g. tensor.copy_(result))"
-        )
-    if all(is_close(afters[r], xs[r].double(), 0, 0) for r in bad):
-        if which.average and 0 not in bad:
-            return (
-                f"{where}: rank 0 holds the average but the workers {bad} still hold their "
-                "own values: the server must send the average back to every worker"
-            )
-        return f"{where}: `tensor` is unchanged on rank(s) {bad}: write the result into it"
-    if which.average and all(is_close(afters[r], total, *tol) for r in bad):
-        return f"{where}: rank(s) {bad} hold the sum, not the average: divide by the world size"
-    if not which.average and all(is_close(afters[r], total / n, *tol) for r in bad):
-        return f"{where}: rank(s) {bad} hold the average: {which.function} must SUM"
-    rank = bad[0]
-    got = afters[rank]
-    detail = _first_difference(got, expected)
-    if which.average or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return f"{where}: rank {rank} holds a wrong result ({detail}; wrong on rank(s) {bad})"
-    flat = got.double().flatten()
-    pieces = torch.tensor_split(torch.arange(flat.numel()), n)
-    wrong = [
-        c
-        for c, idx in enumerate(pieces)
-        if idx.numel() and not is_close(flat[idx], expected.flatten()[idx], *tol)
-    ]
-    return (
-        f"{where}: rank {rank} is wrong in chunk(s) {wrong} of torch.tensor_split(flat, {n}) "
-        f"({detail}; wrong on rank(s) {bad}){_partial_sums(flat, xs, wrong, tol)}"
-    )
-
-
-def _numbers(items) -> str:
-    items = list(items)
+def numbers(items) -> str:
+    """``"2 and 3"``, ``"1, 2 and 3"``."""
+    items = [str(i) for i in items]
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else items[0]
 
 
-def judge(which: Collective) -> Callable[[dict, dict], str]:
-    """The oracle judge: every rank's tensor equals the sum (or average) of the inputs."""
-
-    def check(inputs: dict, outputs: dict) -> str:
-        got_cases = outputs.get("cases", []) if isinstance(outputs, dict) else []
-        if len(got_cases) != len(inputs["cases"]):
-            raise CheckFailed(f"expected {len(inputs['cases'])} runs, got {len(got_cases)}")
-        for case, got in zip(inputs["cases"], got_cases, strict=True):
-            n, data = case["world_size"], case["data"]
-            if len(got) != n or any(len(g) != len(data[0]) for g in got):
-                raise CheckFailed(f"expected {len(data[0])} results from each of {n} ranks")
-            for j in range(len(data[0])):
-                why = problem(
-                    which,
-                    [data[r][j] for r in range(n)],
-                    [got[r][j]["after"] for r in range(n)],
-                    [got[r][j]["returned"] for r in range(n)],
-                )
-                if why:
-                    raise CheckFailed(why)
-        worlds = _numbers(str(c["world_size"]) for c in inputs["cases"])
-        tensors = inputs["cases"][0]["data"][0]
-        if len(inputs["cases"]) == 1:
-            sizes = _numbers("x".join(map(str, t.shape)) for t in tensors)
-            what = f"for tensors of {sizes} elements"
-        else:
-            what = (
-                f"for {len(tensors)} tensors each (float32 and float64, lengths not divisible by n)"
-            )
-        said = f"{which.function}() from {which.file} on {worlds} ranks"
-        return f"{said} equals {which.equals} {what}"
-
-    return check
+def worlds(inputs: dict) -> str:
+    """The run sizes of a distributed exercise's inputs, in words (``"2 and 3"``)."""
+    sizes = sorted({run["ranks"] for case in inputs["cases"] for run in case["runs"]})
+    return numbers(sizes)

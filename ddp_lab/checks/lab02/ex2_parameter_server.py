@@ -1,9 +1,15 @@
-"""Exercise 2: a parameter-server average from send/recv (``ps.py``), on every rank.
+"""Exercise 2: a synchronous parameter server (``ps.py``), on every rank of one torchrun job.
 
-Oracle: every rank must end with the sum of the ranks' inputs divided by the world size (what
-``dist.all_reduce(t); t /= world_size`` gives), in place. The case set runs on 3 ranks (a
-server and two workers) with the same tensors as the ring; the built-in collectives raise
-while the student's code runs, and a deadlocked call ends its rank with the likely cause.
+Rank 0, the server, holds the parameters and the optimizer; the workers (ranks ``1 .. n - 1``)
+push gradients and pull parameters. Oracle: the trajectory of one process that averages the
+workers' gradients at the current parameters and takes one SGD step
+(:func:`~ddp_lab.checks.lab02.server.trajectory`, staleness 0), compared with what the checker
+recorded in the ranks: where each gradient was computed, what the server applied, the
+parameters after each step and at the end on every rank.
+
+Case set, one job of 3 ranks: on 2 ranks (one worker; rank 2 sits it out) and on 3 ranks (two
+workers with shards of different sizes), each with 1 step on 1 parameter (float64), 3 to 5
+steps (float64), 3 to 5 steps (float32); learning rate and momentum drawn.
 """
 
 from __future__ import annotations
@@ -12,30 +18,51 @@ import torch
 
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.lab02 import common
+from ddp_lab.checks.lab02 import common, server
+from ddp_lab.checks.values import randint
 
-WORLD_SIZES = (3,)
+
+def _runs(gen: torch.Generator, n: int) -> list[dict]:
+    return [
+        server.make_run(gen, n, 1, torch.float64),
+        server.make_run(gen, n, randint(gen, 3, 5), torch.float64),
+        server.make_run(gen, n, randint(gen, 3, 5), torch.float32),
+    ]
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """The graded case set: 3 ranks (see :func:`common.make_cases`)."""
-    return common.make_cases(gen, WORLD_SIZES)
+    """One job of 3 ranks: three runs on 2 ranks, three on 3."""
+    return {"cases": [{"world_size": common.JOB_RANKS, "runs": _runs(gen, 2) + _runs(gen, 3)}]}
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
-    """3 ranks, tensors of 1, 2, 3, 7, 10 and 3x5 small integers."""
-    return common.visible_cases()
+    """One job of 3 ranks: 3 steps on 2 ranks, 3 steps on 3 (float64)."""
+    runs = [server.make_run(gen, n, 3, torch.float64) for n in (2, 3)]
+    return {"cases": [{"world_size": common.JOB_RANKS, "runs": runs}]}
+
+
+def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world_size: int) -> list:
+    """The student's ``parameter_server`` on this rank, once per run it takes part in."""
+    found: dict = {}
+
+    def load() -> None:
+        fn = common.student_function(common.SERVER_FILE, "parameter_server")
+        found["fn"] = common.watched(fn, "a parameter server", server.SERVER_HINT)
+
+    return common.each_run(
+        case, rank, lambda run: server.one_run(found["fn"], run, rank, stale=False), load
+    )
 
 
 EXERCISE = Exercise(
     "test_ex2_parameter_server",
     ("ex2_parameter_server",),
-    "parameter-server average",
+    "a synchronous parameter server",
     make_inputs,
-    common.judge(common.SERVER),
-    run_rank=common.run_rank(common.SERVER),
+    server.judge(stale=False),
+    run_rank=run_rank,
     forbid=guards.COLLECTIVES,
-    timeout=60,
+    timeout=90,
     visible_inputs=visible_inputs,
-    files=(common.SERVER.file,),
+    files=(common.SERVER_FILE,),
 )
