@@ -9,6 +9,8 @@
   :func:`new_leftovers`);
 - gloo groups joined through a ``file://`` store, no port (:func:`spawn_gloo`,
   :func:`join_gloo`);
+- one lab's graded pieces for its test file: the full judge, inputs of a draw, a mistake
+  (:class:`GradedLab`), and outputs as the judge receives them (:func:`saved`);
 - verdicts over many draws (:func:`assert_verdicts`).
 """
 
@@ -16,14 +18,17 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp_lab.childenv import child_env
 from ddp_lab.grading.notebook import is_solution, load, nbgrader_meta
@@ -161,6 +166,52 @@ def notebook_with(lab: str, replace: Mapping[str, str], folder: str = "solutions
         if is_solution(cell) and gid in replace:
             cell["source"] = replace[gid]
     return nb
+
+
+class GradedLab:
+    """One lab's exercises as its test file uses them: ``judge(gid)`` is the grader's full
+    judge (kit oracle + ``HIDDEN``), ``inputs(gid, seed)`` a draw, ``mistake(name)`` one of
+    ``MISTAKES``/``MORE_MISTAKES`` and ``mistake_ns(name)`` its cell run in a namespace.
+
+    Example:
+        >>> lab = GradedLab("lab05_amp_accumulation")
+        >>> sorted(lab.inputs("test_ex4_amp_step", 0)) == ["cases"]
+        True
+    """
+
+    def __init__(self, lab: str) -> None:
+        from ddp_lab.checks.contract import exercises
+
+        answers = importlib.import_module(f"ddp_lab.answers.{lab.split('_', 1)[0]}")
+        self.lab = lab
+        self.exercises = exercises(lab)
+        self.sources = solution_sources(lab)
+        self.hidden = answers.HIDDEN
+        self.mistakes = (*answers.MISTAKES, *getattr(answers, "MORE_MISTAKES", ()))
+
+    def judge(self, gid: str):
+        from ddp_lab.answers import full_judge
+
+        return full_judge(self.exercises[gid], self.hidden.get(gid))
+
+    def inputs(self, gid: str, seed: int) -> dict:
+        return self.exercises[gid].make_inputs(torch.Generator().manual_seed(seed))
+
+    def mistake(self, name: str):
+        return next(m for m in self.mistakes if m.name == name)
+
+    def mistake_ns(self, name: str) -> dict:
+        from ddp_lab.checks.runner import namespace
+
+        m = self.mistake(name)
+        return namespace({m.cell: m.source}, [m.cell])
+
+
+def saved(outputs):
+    """What a judge gets: ``outputs`` through ``torch.save`` / ``torch.load(weights_only=True)``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(outputs, Path(tmp) / "o.pt")
+        return torch.load(Path(tmp) / "o.pt", weights_only=True)
 
 
 # --- processes -----------------------------------------------------------------------------

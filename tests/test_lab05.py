@@ -20,19 +20,15 @@ import copy
 import gc
 import math
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _harness import assert_verdicts, new_leftovers, solution_sources, spawn_gloo
+from _harness import GradedLab, assert_verdicts, new_leftovers, saved, spawn_gloo
 
-from ddp_lab.answers import full_judge
-from ddp_lab.answers.lab05 import HIDDEN, MISTAKES, MORE_MISTAKES
+from ddp_lab.answers.lab05 import MISTAKES, MORE_MISTAKES
 from ddp_lab.answers.lab05 import references as ref
 from ddp_lab.checks import lab05 as checks
-from ddp_lab.checks.contract import exercises
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab05 import ex1_fp16_report as ex1
 from ddp_lab.checks.lab05 import ex2_loss_scaler as ex2
@@ -46,28 +42,10 @@ LAB = checks.LAB
 SEEDS = range(200)
 #: Draws for the costlier wrong answers (the typical one runs over all SEEDS).
 FEW = range(0, 200, 10)
-SOURCES = solution_sources(LAB)
-EXERCISES = exercises(LAB)
-
-
-def _judge(gid: str):
-    return full_judge(EXERCISES[gid], HIDDEN.get(gid))
-
-
-def _inputs(gid: str, seed: int) -> dict:
-    return EXERCISES[gid].make_inputs(torch.Generator().manual_seed(seed))
-
-
-def _saved(outputs):
-    """What the judge gets: the outputs through torch.save / torch.load(weights_only=True)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(outputs, Path(tmp) / "o.pt")
-        return torch.load(Path(tmp) / "o.pt", weights_only=True)
-
-
-def _mistake_ns(name: str) -> dict:
-    m = next(m for m in (*MISTAKES, *MORE_MISTAKES) if m.name == name)
-    return namespace({m.cell: m.source}, [m.cell])
+GRADED = GradedLab(LAB)
+SOURCES, EXERCISES = GRADED.sources, GRADED.exercises
+_judge, _inputs, _saved = GRADED.judge, GRADED.inputs, saved
+_mistake_ns = GRADED.mistake_ns
 
 
 # --- the case sets ---------------------------------------------------------------------------

@@ -27,14 +27,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import assert_verdicts, lab_notebook, new_leftovers, solution_sources
+from _harness import (
+    GradedLab,
+    assert_verdicts,
+    lab_notebook,
+    new_leftovers,
+    saved,
+)
 
-from ddp_lab.answers import full_judge
-from ddp_lab.answers.lab06 import HIDDEN, MISTAKES, MORE_MISTAKES
+from ddp_lab.answers.lab06 import MISTAKES, MORE_MISTAKES
 from ddp_lab.answers.lab06 import hidden as extra
 from ddp_lab.answers.lab06 import references as ref
 from ddp_lab.checks import lab06 as checks
-from ddp_lab.checks.contract import exercises
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab06 import ex1_atomic_save as ex1
 from ddp_lab.checks.lab06 import ex2_resume as ex2
@@ -46,33 +50,11 @@ LAB = checks.LAB
 SEEDS = range(200)
 #: Draws for the costlier wrong answers (the cheap ones run over all SEEDS).
 FEW = range(0, 200, 25)
-SOURCES = solution_sources(LAB)
-EXERCISES = exercises(LAB)
+GRADED = GradedLab(LAB)
+SOURCES, EXERCISES = GRADED.sources, GRADED.exercises
+_judge, _inputs, _saved = GRADED.judge, GRADED.inputs, saved
+_mistake, _ns = GRADED.mistake, GRADED.mistake_ns
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-def _judge(gid: str):
-    return full_judge(EXERCISES[gid], HIDDEN.get(gid))
-
-
-def _inputs(gid: str, seed: int) -> dict:
-    return EXERCISES[gid].make_inputs(torch.Generator().manual_seed(seed))
-
-
-def _saved(outputs):
-    """What the judge gets: the outputs through torch.save / torch.load(weights_only=True)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(outputs, Path(tmp) / "o.pt")
-        return torch.load(Path(tmp) / "o.pt", weights_only=True)
-
-
-def _mistake(name: str):
-    return next(m for m in (*MISTAKES, *MORE_MISTAKES) if m.name == name)
-
-
-def _ns(name: str) -> dict:
-    m = _mistake(name)
-    return namespace({m.cell: m.source}, [m.cell])
 
 
 # --- the case sets ---------------------------------------------------------------------------
