@@ -21,9 +21,10 @@ share only (its own rows' contribution), as with ``nn.SyncBatchNorm``:
 
 **The cost.** Every rank receives the whole batch's activations in forward and reduces a
 gradient of that size in backward: traffic and memory grow with the activations, where an
-implementation that all-reduces per-channel sums moves ``2C + 1`` numbers forward and
-``2C`` backward (``nn.SyncBatchNorm``'s fused kernels on GPUs; lab 4 builds that one as an
-autograd Function). Here simplicity wins: this module only backs the trainer's
+implementation that exchanges per-channel statistics sends ``2C + 1`` numbers per rank
+forward and all-reduces ``2C`` backward (``nn.SyncBatchNorm`` on GPUs all-gathers every
+rank's mean, inverse std and count, then all-reduces two gradient sums; lab 4 builds that
+one as an autograd Function). Here simplicity wins: this module only backs the trainer's
 ``--sync-bn`` on the CPU, with small models and a few processes.
 :func:`convert_sync_batchnorm_auto` picks ``nn.SyncBatchNorm`` wherever it runs.
 """

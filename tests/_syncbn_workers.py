@@ -1,4 +1,4 @@
-"""Cases and spawned workers for ``tests/test_syncbn.py``.
+"""Cases and spawned workers for ``tests/test_syncbn.py`` (and one for ``tests/test_lab04.py``).
 
 They live in their own top-level module so that ``torch.multiprocessing`` (start method
 "spawn", through ``_harness.spawn_gloo``) can import them in the child processes. The test
@@ -195,4 +195,21 @@ def run_worker(rank: int, world_size: int, out_dir: str) -> None:
     results["ddp_cnn"] = _run_ddp_cnn(rank, world_size)
     results["mismatch_error"] = _mismatch_error(rank)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+
+
+def per_run_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """Spawned entry point for ``tests/test_lab04.py``: lab 4's checker runs over 3, 2 and 3
+    ranks of one job (:func:`ddp_lab.checks.lab04.common.per_run`); each run records the
+    world size the code sees and an all-reduce (no ``group=``) of ``rank + 1``."""
+    from ddp_lab.checks.lab04.common import per_run
+
+    def seen(run: dict, r: int) -> list:
+        t = torch.tensor([float(r + 1)])
+        dist.all_reduce(t)
+        return [dist.get_world_size(), float(t)]
+
+    case = {"runs": [{"ranks": 3}, {"ranks": 2}, {"ranks": 3}]}
+    out = per_run(case, rank, world_size, seen)
+    torch.save(out, Path(out_dir) / f"per-run-{rank}.pt")
     dist.barrier()

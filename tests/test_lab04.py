@@ -1,11 +1,13 @@
 """Lab 4 (SyncBatchNorm): its checks pass the reference and fail every classic mistake.
 
-The judges are tested directly on outputs built from the references (fast, no process), with
-the grader's full judge (the kit's oracle judge plus ``ddp_lab.answers.lab04.HIDDEN``); the
-visible checks through the real runner (torchrun on 2 ranks); and the grader itself
-(``judge_notebook``) where only it can tell: a deadlock, and exercise 4 graded on the
-reference pieces. Every mistake of ``ddp_lab/answers/lab04/mistakes.py`` is also fed to the
-grader by ``tests/test_mistakes.py``.
+The judges are tested directly on outputs simulated for every rank in this process (fast, no
+process), with the grader's full judge (the kit's oracle judge plus
+``ddp_lab.answers.lab04.HIDDEN``), over 200 draws of the fixed case set: the right outputs
+pass, each mistake fails with its own diagnosis. The visible checks run through the real
+runner (torchrun on 2 ranks); the runs over 2 and 3 ranks of one job through a 3-process
+gloo group; and the grader itself (``judge_notebook``) where only it can tell: a deadlock,
+and exercise 3 graded on the reference pieces. Every mistake of
+``ddp_lab/answers/lab04/mistakes.py`` is also fed to the grader by ``tests/test_mistakes.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from _harness import assert_verdicts, new_leftovers, notebook_with, solution_sources
+from _harness import new_leftovers, notebook_with, solution_sources, spawn_gloo
 
 from ddp_lab.answers import full_judge, hidden
 from ddp_lab.answers.lab04 import HANGS, MISTAKES
@@ -26,15 +27,17 @@ from ddp_lab.answers.lab04 import references as ref
 from ddp_lab.checks import lab04 as checks
 from ddp_lab.checks.contract import exercises
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab04 import ex2_sync_mean_var, ex3_sync_input_grad, ex4_sync_bn_function
-from ddp_lab.checks.lab04.common import EPS
+from ddp_lab.checks.lab04 import ex1_sync_mean_var as ex1
+from ddp_lab.checks.lab04 import ex2_sync_input_grad as ex2
+from ddp_lab.checks.lab04 import ex3_sync_bn_function as ex3
+from ddp_lab.checks.lab04.common import EPS, var_mean
 from ddp_lab.checks.runner import split_magics
 from ddp_lab.grading.verdict import judge_notebook
 
 LAB = "lab04_syncbn"
 SEED = 20240604
-STEPS = ex4_sync_bn_function.STEPS
 STUB = "raise NotImplementedError()"
+GIDS = ("test_ex1_sync_mean_var", "test_ex2_sync_input_grad", "test_ex3_sync_bn_function")
 
 
 def _exercise(grade_id: str):
@@ -51,6 +54,10 @@ def _inputs(grade_id: str, seed: int = SEED) -> dict:
     return _exercise(grade_id).make_inputs(torch.Generator().manual_seed(seed))
 
 
+def _runs(inputs: dict) -> list[dict]:
+    return [run for case in inputs["cases"] for run in case["runs"]]
+
+
 def _mistake(cell: str, name: str = "typical") -> str:
     return next(m.source for m in MISTAKES if m.cell == cell and m.name == name)
 
@@ -61,333 +68,368 @@ def _write(folder: Path, source: str) -> None:
         (folder / name).write_text(text)
 
 
-# ----------------------------------------------------------------- inputs drawn at grading
+# ----------------------------------------------------------------- the fixed case sets
 
 
-def test_inputs_have_unequal_batch_sizes_and_an_empty_rank():
-    for seed in range(20):
-        stats = _inputs("test_ex2_sync_mean_var", seed)["cases"]
-        assert [c["world_size"] for c in stats] == [3]
-        for case in stats:
-            assert len(set(case["sizes"])) > 1, case["sizes"]
-            assert [len(x) for x in case["xs"]] == case["sizes"]
-        assert 0 in stats[0]["sizes"], "the 3-rank case must hold an empty rank"
-        visible = ex2_sync_mean_var.visible_inputs(torch.Generator().manual_seed(seed))
-        assert 0 not in visible["cases"][0]["sizes"], (
-            "the visible check must not deadlock on the hang student's code"
-        )
-        for gid in ("test_ex3_sync_input_grad", "test_ex4_sync_bn_function"):
-            for case in _inputs(gid, seed)["cases"]:
-                assert len(set(case["sizes"])) > 1 and min(case["sizes"]) >= 1
-        shapes = [x.dim() for x in _inputs("test_ex1_local_moments", seed)["xs"]]
-        assert shapes == [2, 3, 4, 4]  # reducing over dim 0 only must fail somewhere
-    assert not torch.equal(
-        _inputs("test_ex2_sync_mean_var", 1)["cases"][0]["xs"][0],
-        _inputs("test_ex2_sync_mean_var", 2)["cases"][0]["xs"][0],
-    )
-    functions = [c["world_size"] for c in _inputs("test_ex4_sync_bn_function")["cases"]]
-    assert functions == [2, 3]
+@pytest.mark.parametrize("grade_id", GIDS)
+def test_every_draw_holds_every_edge_case(grade_id):
+    """One 3-rank job; runs over 2 and 3 ranks; float32 and float64; unequal slices; an
+    empty rank; a rank holding one sample; 1 channel and several; 2-D and 4-D inputs."""
+    for seed in range(30):
+        inputs = _inputs(grade_id, seed)
+        assert [c["world_size"] for c in inputs["cases"]] == [3]
+        runs = _runs(inputs)
+        assert {r["ranks"] for r in runs} == {2, 3}
+        assert {r["dtype"] for r in runs} == {"float32", "float64"}
+        assert any(r["ranks"] == 3 and 0 in r["sizes"] for r in runs), "an empty rank"
+        assert any(1 in r["sizes"] for r in runs), "a rank holding one sample"
+        assert {r["channels"] == 1 for r in runs} == {True, False}
+        assert {len(r["tail"]) for r in runs} >= {0, 2}
+        for run in runs:
+            full = [s for s in run["sizes"] if s]
+            assert full and (len(full) == 1 or len(set(full)) > 1), run["sizes"]
+            xs = run["xs"][0] if grade_id == GIDS[2] else run["xs"]
+            assert [len(x) for x in xs] == run["sizes"]
+            assert {str(x.dtype) for x in xs} == {f"torch.{run['dtype']}"}
+        if grade_id == GIDS[0]:
+            far = {(r["dtype"], r["ranks"]) for r in runs if r["far"]}
+            assert {"float32", "float64"} <= {d for d, _ in far} and {2, 3} <= {n for _, n in far}
+        if grade_id == GIDS[2]:
+            assert all(len(r["xs"]) == ex3.STEPS == 3 for r in runs), "several steps"
+        visible = _exercise(grade_id).visible_inputs(torch.Generator().manual_seed(seed))
+        assert [c["world_size"] for c in visible["cases"]] == [2]
+    a, b = (_runs(_inputs(GIDS[0], s))[0]["xs"][0] for s in (1, 2))
+    assert a.shape != b.shape or not torch.equal(a, b), "the values are drawn"
 
 
 # ---------------------------------------------------- simulated outputs (every rank, here)
 
 
-def _summed(parts):
-    return [sum(p) for p in zip(*parts, strict=True)]
-
-
-def _moments_outputs(source: str, inputs: dict) -> dict:
-    ns: dict = {}
-    exec(split_magics(source)[0], ns)  # noqa: S102 - our own solution and mistakes
-    return _exercise("test_ex1_local_moments").run(ns, inputs, Path("."))
-
-
-def _stats_outputs(case: dict, mistake: str | None = None) -> list:
-    """Every rank's (mean, var, count), as the solution computes them from all-reduced sums."""
-    moments = [ref.local_moments(x) for x in case["xs"]]
-    s, ss, n = _summed(moments)
-    mean, var = ref.global_mean_var(s, ss, n)
-    out = []
-    for ls, lss, ln in moments:
-        if mistake == "averaged":
-            m, v = extra.averaged_per_rank(case["xs"])
-            out.append([m, v, n.clone()])
-        elif mistake == "unbiased":
-            out.append([mean.clone(), var * n / (n - 1), n.clone()])
-        elif mistake == "no all_reduce":
-            lm = ls / ln
-            out.append([lm, lss / ln - lm * lm, ln.clone()])
-        elif mistake == "local count":
-            out.append([mean.clone(), var.clone(), ln.clone()])
-        else:
-            out.append([mean.clone(), var.clone(), n.clone()])
-    return out
-
-
-def _grad_outputs(case: dict, mistake: str | None = None) -> list:
-    """Every rank's input gradient, as the solution computes it from all-reduced sums."""
-    local = [ref.local_grad_sums(d, h) for d, h in zip(case["dys"], case["x_hats"], strict=True)]
-    sums = _summed(local)
-    out = []
-    for dy, x_hat, own in zip(case["dys"], case["x_hats"], local, strict=True):
-        count = case["count"]
-        used = sums
-        if mistake == "local sums":
-            used = own
-        elif mistake == "local count":
-            count = dy.numel() / case["weight"].numel()
-        out.append(
-            ref.batchnorm_input_grad(dy, x_hat, case["invstd"], case["weight"], *used, count)
+def _per_rank(inputs: dict, one) -> dict:
+    """``{"cases": [[rank 0's outputs per run], ...]}`` with ``one(run, rank)`` per rank."""
+    cases = []
+    for case in inputs["cases"]:
+        w = case["world_size"]
+        cases.append(
+            [[one(run, r) if r < run["ranks"] else None for run in case["runs"]] for r in range(w)]
         )
-    return out
+    return {"cases": cases}
 
 
-def _function_outputs(case: dict, mistake: str | None = None) -> list[dict]:
-    """Every rank's outputs of the solution's Function, steps and ranks simulated in order."""
-    w, m = case["world_size"], case["momentum"]
-    running_mean, running_var = case["running_mean"].clone(), case["running_var"].clone()
-    outs = [{"y": [], "grad_x": [], "grad_weight": [], "grad_bias": []} for _ in range(w)]
-    for xs, dys in zip(case["xs"], case["dys"], strict=True):
-        s, ss, n = _summed([ref.local_moments(x) for x in xs])
-        mean, var = ref.global_mean_var(s, ss, n)
-        count = n.item()
-        running_mean = (1 - m) * running_mean + m * mean
+def _dims(x: torch.Tensor) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+def _stats(run: dict, rank: int, mistake: str | None = None) -> list:
+    """One rank's ``[mean, var, count]`` as the solution (or a mistake) computes them."""
+    xs = run["xs"]
+    dt = xs[0].dtype
+    stats = [ref.local_stats(x) for x in xs]
+    counts = [n for n, _, _ in stats]
+    means, variances = torch.stack([m for _, m, _ in stats]), torch.stack([v for _, _, v in stats])
+    mean, var, total = ref.pool(counts, means, variances)
+    if mistake == "averaged":  # every rank's mean and variance, NaN for an empty one
+        nan = [x.mean(_dims(x)) if len(x) else torch.full_like(mean, float("nan")) for x in xs]
+        ranks = len(xs)
+        return [
+            sum(nan) / ranks,
+            sum(torch.var(x, _dims(x), correction=0) for x in xs) / ranks,
+            total,
+        ]
+    if mistake in ("float32 sums", "float64 sums"):
+        acc = dt if mistake == "float32 sums" else torch.float64
+        s = sum(x.to(acc).sum(_dims(x)) for x in xs)
+        q = sum((x.to(acc) * x.to(acc)).sum(_dims(x)) for x in xs)
+        m = s / float(total)
+        return [m, q / float(total) - m * m, total]
+    if mistake == "within":
+        w = torch.tensor(counts, dtype=dt).reshape(-1, 1) / total
+        return [mean, (w * variances).sum(0), total]
+    if mistake == "unbiased":
+        return [mean, var * total / (total - 1), total]
+    if mistake == "local count":
+        return [mean, var, torch.tensor(float(counts[rank]))]
+    if mistake == "no collective":
+        return [means[rank], variances[rank], torch.tensor(float(counts[rank]))]
+    if mistake == "batch dim only":
+        x = xs[rank]
+        return [x.mean(0), x.var(0, correction=0), float(len(x))]
+    return [mean.clone(), var.clone(), total.clone()]
+
+
+#: mistake -> what the grader's verdict must say
+STATS_MISTAKES = {
+    "averaged": "averaged the ranks' means",
+    "float32 sums": "two large numbers",
+    "float64 sums": "two large numbers",
+    "within": "between the ranks' means",
+    "unbiased": "unbiased variance",
+    "local count": "this rank's count",
+    "no collective": "its own slice",
+    "batch dim only": "every dimension but the channel dimension 1",
+}
+
+
+def _grad(run: dict, rank: int, mistake: str | None = None) -> torch.Tensor:
+    """One rank's input gradient as the solution (or a mistake) computes it."""
+    dys, x_hats = run["dys"], run["x_hats"]
+    sums = [ref.grad_sums(d, h) for d, h in zip(dys, x_hats, strict=True)]
+    total = (sum(s for s, _ in sums), sum(s for _, s in sums))
+    count = run["count"]
+    args = (dys[rank], x_hats[rank], run["invstd"])
+    if mistake == "local sums":
+        return ref.input_grad(*args, run["weight"], *sums[rank], count)
+    if mistake == "local count":
+        return ref.input_grad(*args, run["weight"], *total, max(dys[rank][:, 0].numel(), 1))
+    if mistake == "no x_hat term":
+        return ref.input_grad(*args, run["weight"], total[0], torch.zeros_like(total[1]), count)
+    if mistake == "no weight":
+        return ref.input_grad(*args, torch.ones_like(run["weight"]), *total, count)
+    return ref.input_grad(*args, run["weight"], *total, count)
+
+
+GRAD_MISTAKES = {
+    "local sums": "must be all-reduced",
+    "local count": "this rank's count",
+    "no x_hat term": "the variance depends on x",
+    "no weight": "weight (gamma) is missing",
+}
+
+
+def _function_run(run: dict, mistake: str | None = None) -> list[dict]:
+    """Every rank's outputs of the solution's Function (or a mistake), steps and ranks
+    simulated in order in this process."""
+    w, m = run["ranks"], run["momentum"]
+    running_mean, running_var = run["running_mean"].clone(), run["running_var"].clone()
+    outs = [
+        {k: [] for k in ("y", "grad_x", "grad_weight", "grad_bias", "rm", "rv")} for _ in range(w)
+    ]
+    for xs, dys in zip(run["xs"], run["dys"], strict=True):
+        mean, var, total = _stats({"xs": xs}, 0)
+        count = float(total)
         tracked = var if mistake == "biased running var" else var * count / (count - 1)
-        running_var = (1 - m) * running_var + m * tracked
+        if mistake == "momentum swapped":
+            running_mean, running_var = (
+                m * running_mean + (1 - m) * mean,
+                m * running_var + (1 - m) * tracked,
+            )
+        elif mistake != "not in place":
+            running_mean = (1 - m) * running_mean + m * mean
+            running_var = (1 - m) * running_var + m * tracked
         invstd = (var + EPS).rsqrt()
         view = (1, -1, *([1] * (xs[0].dim() - 2)))
         x_hats = [(x - mean.reshape(view)) * invstd.reshape(view) for x in xs]
-        local = [ref.local_grad_sums(d, h) for d, h in zip(dys, x_hats, strict=True)]
-        g_dy, g_dyh = _summed(local)
+        local = [ref.grad_sums(d, h) for d, h in zip(dys, x_hats, strict=True)]
+        g_dy, g_dyh = (sum(s for s, _ in local), sum(s for _, s in local))
         for r in range(w):
             sums = local[r] if mistake == "local backward" else (g_dy, g_dyh)
-            dx = ref.batchnorm_input_grad(dys[r], x_hats[r], invstd, case["weight"], *sums, count)
+            dx = ref.input_grad(dys[r], x_hats[r], invstd, run["weight"], *sums, count)
             d_w, d_b = (g_dyh, g_dy) if mistake == "reduced param grads" else local[r][::-1]
-            outs[r]["y"].append(
-                x_hats[r] * case["weight"].reshape(view) + case["bias"].reshape(view)
-            )
+            outs[r]["y"].append(x_hats[r] * run["weight"].reshape(view) + run["bias"].reshape(view))
             outs[r]["grad_x"].append(dx)
             outs[r]["grad_weight"].append(d_w.clone())
             outs[r]["grad_bias"].append(d_b.clone())
-    for o in outs:
-        o["running_mean"], o["running_var"] = running_mean.clone(), running_var.clone()
+            outs[r]["rm"].append(running_mean.clone())
+            outs[r]["rv"].append(running_var.clone())
     return outs
 
 
-def _outputs(outputs_of, inputs: dict, mistake: str | None = None) -> dict:
-    return {"cases": [outputs_of(c, mistake) for c in inputs["cases"]]}
+FUNCTION_MISTAKES = {
+    "biased running var": "tracks the UNBIASED one",
+    "reduced param grads": "counts them twice",
+    "local backward": "the input gradient",
+    "not in place": "IN PLACE",
+    "momentum swapped": "the wrong way round",
+}
+
+
+def _outputs(grade_id: str, inputs: dict, mistake: str | None = None) -> dict:
+    if grade_id == GIDS[0]:
+        return _per_rank(inputs, lambda run, r: _stats(run, r, mistake))
+    if grade_id == GIDS[1]:
+        return _per_rank(inputs, lambda run, r: _grad(run, r, mistake))
+    simulated = {}
+
+    def one(run, r):
+        key = id(run)
+        if key not in simulated:
+            simulated[key] = _function_run(run, mistake)
+        return simulated[key][r]
+
+    return _per_rank(inputs, one)
+
+
+MISTAKES_OF = {GIDS[0]: STATS_MISTAKES, GIDS[1]: GRAD_MISTAKES, GIDS[2]: FUNCTION_MISTAKES}
+
+
+def _fails_with(judge, inputs: dict, outputs: dict, reason: str, seed: int, name: str) -> None:
+    with pytest.raises(CheckFailed) as failed:
+        judge(inputs, outputs)
+        pytest.fail(f"seed {seed}: the mistake {name!r} passed")
+    assert reason in str(failed.value), f"seed {seed}, {name!r}: {failed.value}"
+
+
+# ------------------------------------------------------------ property: any draw, any seed
+
+PROPERTY_SEEDS = range(200)
+
+
+@pytest.mark.parametrize("grade_id", GIDS)
+def test_property_verdicts_do_not_depend_on_the_draw(grade_id):
+    """200 draws of the fixed case set: every rank's right outputs (simulated here) pass the
+    grader's full judge; each typical mistake fails it, with its own diagnosis."""
+    judge = _judge(grade_id)
+    for seed in PROPERTY_SEEDS:
+        inputs = _inputs(grade_id, seed)
+        try:
+            judge(inputs, _outputs(grade_id, inputs))
+        except CheckFailed as err:
+            pytest.fail(f"seed {seed}: the right answer failed: {err}")
+        for name, reason in MISTAKES_OF[grade_id].items():
+            _fails_with(judge, inputs, _outputs(grade_id, inputs, name), reason, seed, name)
 
 
 # -------------------------------------------------------- judges on hand-built outputs
 
 
-def test_stats_judge_accepts_the_reference_and_names_the_averaging_mistake():
-    inputs = _inputs("test_ex2_sync_mean_var")
-    judge = _judge("test_ex2_sync_mean_var")
-    assert "global mean and variance on 3 ranks" in judge(inputs, _outputs(_stats_outputs, inputs))
-    averaged = _outputs(_stats_outputs, inputs, "averaged")
-    with pytest.raises(CheckFailed, match="averaged the ranks' means"):
-        judge(inputs, averaged)
-    # the kit's judge says what is wrong without computing the mistake (that is hidden)
-    with pytest.raises(CheckFailed, match="the global mean") as kit:
-        _exercise("test_ex2_sync_mean_var").judge(inputs, averaged)
+def test_kit_judges_say_what_is_wrong_without_the_hidden_diagnoses():
+    inputs = _inputs(GIDS[0])
+    empty = copy.deepcopy(inputs)  # the runs with an empty rank only: its 0/0 is NaN
+    empty["cases"][0]["runs"] = [r for r in _runs(inputs) if 0 in r["sizes"]]
+    averaged = _outputs(GIDS[0], empty, "averaged")
+    with pytest.raises(CheckFailed, match="a rank without samples has no mean of its own") as kit:
+        _exercise(GIDS[0]).judge(empty, averaged)
     assert "averaged" not in str(kit.value)
-    bad = _outputs(_stats_outputs, inputs)
-    bad["cases"][0][2][2] = torch.tensor(1.0)  # a wrong global count on one rank
+    far = _outputs(GIDS[0], inputs, "float32 sums")
+    with pytest.raises(CheckFailed, match=r"global biased variance: off by .* \(allowed"):
+        _exercise(GIDS[0]).judge(inputs, far)
+    inputs = _inputs(GIDS[1])
+    with pytest.raises(CheckFailed, match="each rank needs sums over the GLOBAL batch"):
+        _exercise(GIDS[1]).judge(inputs, _outputs(GIDS[1], inputs, "local sums"))
+
+
+def test_stats_tolerance_follows_dtype_and_magnitude():
+    """Near 1e8 in float64 the sum of squares is off by far more than allowed, while the
+    solution's pooled deviations are well inside; a wrong count is said as such."""
+    inputs = _inputs(GIDS[0])
+    run = next(r for r in _runs(inputs) if r["far"] and r["dtype"] == "float64")
+    tol_mean, tol_var = ex1.tolerances(run)
+    var, _ = var_mean(torch.cat(run["xs"]))
+    good = _stats(run, 0)[1].double()
+    bad = _stats(run, 0, "float64 sums")[1].double()
+    assert (good - var).abs().max() < tol_var / 4 < tol_var * 100 < (bad - var).abs().max()
+    wrong = _outputs(GIDS[0], inputs)
+    wrong["cases"][0][1][0][2] = torch.tensor(1.0)
     with pytest.raises(CheckFailed, match="global count should be"):
-        judge(inputs, bad)
-
-
-def test_grad_judge_accepts_autograd_and_names_the_local_sums_mistake():
-    inputs = _inputs("test_ex3_sync_input_grad")
-    judge = _judge("test_ex3_sync_input_grad")
-    good = {
-        "cases": [
-            ex3_sync_input_grad.autograd_input_grads(c["xs"], c["dys"], c["weight"])
-            for c in inputs["cases"]
-        ]
-    }
-    assert "input gradient" in judge(inputs, good)
-    local = _outputs(_grad_outputs, inputs, "local sums")
-    with pytest.raises(CheckFailed, match="must be all-reduced"):
-        judge(inputs, local)
-    # the kit's judge: a property of every right answer, broken (no near-answer computed)
-    with pytest.raises(CheckFailed, match="GLOBAL sums and count"):
-        _exercise("test_ex3_sync_input_grad").judge(inputs, local)
-
-
-def _oracle_outputs(inputs: dict) -> dict:
-    cases = []
-    for case in inputs["cases"]:
-        oracle = ex4_sync_bn_function.batchnorm_oracle(case)
-        cases.append(
-            [
-                {
-                    **{
-                        key: [oracle[key][s][r] for s in range(STEPS)]
-                        for key in ("y", "grad_x", "grad_weight", "grad_bias")
-                    },
-                    "running_mean": oracle["running_mean"].clone(),
-                    "running_var": oracle["running_var"].clone(),
-                }
-                for r in range(case["world_size"])
-            ]
-        )
-    return {"cases": cases}
+        _judge(GIDS[0])(inputs, wrong)
 
 
 def test_function_oracle_equals_batchnorm_modules():
     """The kit's oracle is nn.BatchNorm1d/2d on the concatenated batch; the ranks' own weight
     and bias shares add up to the module's gradients."""
-    for case in _inputs("test_ex4_sync_bn_function")["cases"]:
-        oracle = ex4_sync_bn_function.batchnorm_oracle(case)
-        nd = case["xs"][0][0].dim()
+    for run in _runs(_inputs(GIDS[2])):
+        oracle = ex3.batchnorm_oracle(run)
+        nd = run["xs"][0][0].dim()
         bn = (torch.nn.BatchNorm1d if nd < 4 else torch.nn.BatchNorm2d)(
-            len(case["weight"]), momentum=case["momentum"]
+            run["channels"], momentum=run["momentum"]
         ).double()
         with torch.no_grad():
             for key in ("weight", "bias", "running_mean", "running_var"):
-                getattr(bn, key).copy_(case[key])
-        for step, (xs, dys) in enumerate(zip(case["xs"], case["dys"], strict=True)):
-            x = torch.cat(xs).requires_grad_(True)
+                getattr(bn, key).copy_(run[key])
+        for step, (xs, dys) in enumerate(zip(run["xs"], run["dys"], strict=True)):
+            x = torch.cat(xs).double().requires_grad_(True)
             y = bn(x)
-            (y * torch.cat(dys)).sum().backward()
+            (y * torch.cat(dys).double()).sum().backward()
             assert torch.allclose(y, torch.cat(oracle["y"][step]), atol=1e-12)
             assert torch.allclose(x.grad, torch.cat(oracle["grad_x"][step]), atol=1e-12)
             assert torch.allclose(bn.weight.grad, sum(oracle["grad_weight"][step]), atol=1e-12)
             assert torch.allclose(bn.bias.grad, sum(oracle["grad_bias"][step]), atol=1e-12)
+            assert torch.allclose(bn.running_mean, oracle["rm"][step], atol=1e-12)
+            assert torch.allclose(bn.running_var, oracle["rv"][step], atol=1e-12)
             bn.zero_grad()
-        assert torch.allclose(bn.running_mean, oracle["running_mean"], atol=1e-12)
-        assert torch.allclose(bn.running_var, oracle["running_var"], atol=1e-12)
 
 
-def test_function_judge_names_biased_running_var_and_reduced_param_grads():
-    inputs = _inputs("test_ex4_sync_bn_function")
-    judge = _judge("test_ex4_sync_bn_function")
-    good = _oracle_outputs(inputs)
-    assert "equals BatchNorm over the global batch on 2 and 3 ranks" in judge(inputs, good)
-    assert "equals BatchNorm" in judge(inputs, _outputs(_function_outputs, inputs))
-
-    biased = copy.deepcopy(good)
-    for case, ranks in zip(inputs["cases"], biased["cases"], strict=True):
-        for out in ranks:
-            out["running_var"] = extra.biased_running_var(case)
-    with pytest.raises(CheckFailed, match="biased variance"):
-        judge(inputs, biased)
-    with pytest.raises(CheckFailed, match="running_var after 2 steps"):
-        _exercise("test_ex4_sync_bn_function").judge(inputs, biased)
-
-    reduced = copy.deepcopy(good)
-    for ranks in reduced["cases"]:
-        for step in range(STEPS):
-            total = sum(out["grad_weight"][step] for out in ranks)
-            for out in ranks:
-                out["grad_weight"][step] = total.clone()
-    with pytest.raises(CheckFailed, match="counts them twice"):
-        judge(inputs, reduced)
-
+def test_function_judge_names_a_missing_gradient_and_a_wrong_rank():
+    inputs = _inputs(GIDS[2])
+    good = _outputs(GIDS[2], inputs)
+    judge = _judge(GIDS[2])
+    assert "equals BatchNorm over the global batch on 2 and 3 ranks for 3 steps" in judge(
+        inputs, good
+    )
     no_grad = copy.deepcopy(good)
-    no_grad["cases"][0][1]["grad_x"][0] = None
+    no_grad["cases"][0][1][0]["grad_x"][0] = None
     with pytest.raises(CheckFailed, match="x got no gradient"):
         judge(inputs, no_grad)
+    broken = copy.deepcopy(good)
+    broken["cases"][0][2][1] = "<int>"
+    with pytest.raises(CheckFailed, match="unexpected result a int"):
+        judge(inputs, broken)
 
 
 # ----------------------------------------------------- the references (instructor only)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_summed_local_moments_give_global_mean_and_biased_var(world_size):
-    gen = torch.Generator().manual_seed(world_size)
-    case = ex2_sync_mean_var._case(gen, world_size, (4, 4), empty=world_size == 3)
-    x = torch.cat(case["xs"])
-    moments = [ref.local_moments(s) for s in case["xs"]]
-    total = _summed(moments)  # what the all_reduce computes
-    mean, var = ref.global_mean_var(*total)
-    ref_var, ref_mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
-    assert total[2].item() == x.numel() // x.size(1)
-    assert torch.allclose(mean, ref_mean, atol=1e-12) and torch.allclose(var, ref_var, atol=1e-12)
+def test_hidden_files_are_the_notebooks_pieces():
+    """The files the grader puts next to a student's sync_bn.py are the notebook's solutions
+    of exercises 1 and 2 (the same code, docstrings aside)."""
+    files = hidden(LAB)[GIDS[2]].files()
+    assert files == {"sync_stats.py": ref.STATS_SOURCE, "sync_grad.py": ref.GRAD_SOURCE}
+    solutions = solution_sources(LAB)
+    for cell, text in (
+        ("ex1_sync_mean_var", ref.STATS_SOURCE),
+        ("ex2_sync_input_grad", ref.GRAD_SOURCE),
+    ):
+        region = solutions[cell].split("### BEGIN SOLUTION")[1].split("    ### END SOLUTION")[0]
+        assert region.strip("\n") in text, cell
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_input_grad_from_summed_local_grad_sums_matches_autograd(world_size):
-    case = _inputs("test_ex3_sync_input_grad", world_size)["cases"][0]
-    expected = ex3_sync_input_grad.autograd_input_grads(case["xs"], case["dys"], case["weight"])
-    assert all(
-        torch.allclose(g, e, atol=1e-12) for g, e in zip(_grad_outputs(case), expected, strict=True)
-    )
-
-
-def test_all_reduce_packed_is_identity_without_process_group():
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is initialised in this process")
-    a, b = torch.arange(6.0).reshape(2, 3), torch.tensor(7.0)
-    ra, rb = ref.all_reduce_packed([a, b])
-    assert torch.equal(ra, a) and torch.equal(rb, b)
-
-
-@pytest.mark.parametrize("training", [True, False])
-def test_reference_function_gradcheck_single_process(training):
-    torch.manual_seed(0)
-    x = torch.randn(5, 3, 2, 2, dtype=torch.float64, requires_grad=True)
-    w = (1 + 0.3 * torch.randn(3, dtype=torch.float64)).requires_grad_(True)
-    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    rm, rv = torch.randn(3, dtype=torch.float64), 1 + torch.rand(3, dtype=torch.float64)
-
-    def fn(x, w, b):
-        # momentum 0: running stats stay put, so repeated calls see the same function
-        return ref.SyncBatchNormFunction.apply(x, w, b, rm, rv, 1e-5, 0.0, None, training)
-
-    assert torch.autograd.gradcheck(fn, (x, w, b))
-    expected = F.batch_norm(x, rm.clone(), rv.clone(), w, b, training=training, momentum=0.0)
-    assert torch.allclose(fn(x, w, b), expected, atol=1e-12)
-
-
-def test_hidden_files_are_the_notebooks_pieces_and_work():
-    """The files the grader puts next to a student's sync_bn.py define what it imports, and
-    compute the right thing (in a world of one process)."""
+def test_reference_files_in_a_world_of_one_process():
+    """The reference statistics and gradient in a one-process gloo group (no port): the
+    batch's statistics far from 0, and autograd's gradient."""
     import torch.distributed as dist
 
-    files = hidden(LAB)["test_ex4_sync_bn_function"].files()
-    assert set(files) == {"sync_stats.py", "sync_grad.py"}
-    ns: dict = {}
-    for text in files.values():
-        exec(text, ns)  # noqa: S102 - the course's reference
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        case = _inputs("test_ex3_sync_input_grad")["cases"][0]
-        x = torch.cat(case["xs"])
-        mean, var, count = ns["sync_mean_var"](*ref.local_moments(x))
-        assert torch.allclose(var, torch.var_mean(x, dim=(0, 2, 3), correction=0)[0])
-        assert float(count) == x.numel() // x.size(1)
-        dx = ns["sync_input_grad"](
-            torch.cat(case["dys"]), torch.cat(case["x_hats"]), case["invstd"], case["weight"],
-            case["count"],
-        )  # fmt: skip
-        expected = ex3_sync_input_grad.autograd_input_grads(case["xs"], case["dys"], case["weight"])
-        assert torch.allclose(dx, torch.cat(expected), atol=1e-9)
+        x = 1e4 + torch.randn(5, 3, 4, 4, dtype=torch.float32)
+        mean, var, count = ref.sync_mean_var(x)
+        exp_var, exp_mean = var_mean(x)
+        assert float(count) == 80 and torch.allclose(mean.double(), exp_mean, rtol=1e-7)
+        assert torch.allclose(var.double(), exp_var, atol=1e-2)
+        empty = ref.sync_mean_var(torch.zeros(0, 3))
+        assert float(empty[2]) == 0 and torch.isnan(empty[0]).all()  # 0/0: nobody holds data
+        run = _runs(_inputs(GIDS[1]))[0]
+        x = torch.cat(run["xs"])
+        dx = ref.sync_input_grad(
+            torch.cat(run["dys"]),
+            torch.cat(run["x_hats"]),
+            run["invstd"],
+            run["weight"],
+            run["count"],
+        )
+        assert torch.allclose(
+            dx, torch.cat(ex2.autograd_input_grads(run["xs"], run["dys"], run["weight"])), atol=1e-9
+        )
+        assert x.numel()
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(180)
+def test_runs_over_two_ranks_see_a_world_of_two_in_a_three_rank_job(tmp_path):
+    """per_run: in one 3-process job, a run over 2 ranks sees world size 2 and its
+    collectives (without group=) reach ranks 0 and 1 only; rank 2 sits it out."""
+    from _syncbn_workers import per_run_worker
+
+    spawn_gloo(per_run_worker, 3, str(tmp_path))
+    got = [torch.load(tmp_path / f"per-run-{r}.pt", weights_only=True) for r in range(3)]
+    assert [g[0] for g in got] == [[3, 6.0], [3, 6.0], [3, 6.0]]  # ranks 1 + 2 + 3
+    assert [g[1] for g in got] == [[2, 3.0], [2, 3.0], None]  # ranks 1 + 2 only
+    assert [g[2] for g in got] == [[3, 6.0], [3, 6.0], [3, 6.0]]
+
+
 # ------------------------------------------------------------------ visible checks
-
-
-def test_visible_local_moments_check_passes_fails_and_asks_to_finish(capsys):
-    ns: dict = {}
-    exec(solution_sources(LAB)["ex1_local_moments"], ns)  # noqa: S102 - our own solution
-    checks.local_moments(ns["local_moments"])
-    assert "OK: local_moments is right" in capsys.readouterr().out
-    exec(_mistake("ex1_local_moments"), ns)  # noqa: S102
-    with pytest.raises(CheckFailed, match="every dimension except the channel dimension 1"):
-        checks.local_moments(ns["local_moments"])
-
-    def stub(x):
-        raise NotImplementedError()
-
-    with pytest.raises(CheckFailed, match="finish this exercise first"):
-        checks.local_moments(stub)
 
 
 def test_visible_distributed_checks_defer_to_the_grader_under_autograde(monkeypatch, capsys):
@@ -399,37 +441,39 @@ def test_visible_distributed_checks_defer_to_the_grader_under_autograde(monkeypa
 def test_visible_checks_ask_to_finish_the_stubs_without_starting(tmp_path):
     with pytest.raises(CheckFailed, match="not found"):
         checks.sync_mean_var(str(tmp_path / "sync_stats.py"))
-    (tmp_path / "sync_stats.py").write_text(f"def sync_mean_var(s, ss, n):\n    {STUB}\n")
+    (tmp_path / "sync_stats.py").write_text(f"def sync_mean_var(x):\n    {STUB}\n")
     with pytest.raises(CheckFailed, match="finish this exercise first"):
         checks.sync_mean_var(str(tmp_path / "sync_stats.py"))
     solutions = solution_sources(LAB)
-    _write(tmp_path, solutions["ex4_sync_bn_function"])
-    with pytest.raises(CheckFailed, match=r"your sync_stats.py, which still holds the released"):
+    _write(tmp_path, solutions["ex3_sync_bn_function"])
+    with pytest.raises(CheckFailed, match=r"your sync_stats.py still holds the released stub"):
         checks.sync_bn_function(str(tmp_path / "sync_bn.py"))
-    _write(tmp_path, solutions["ex2_sync_mean_var"])
-    with pytest.raises(CheckFailed, match=r"your sync_grad.py \(exercise 3\), not found"):
+    _write(tmp_path, solutions["ex1_sync_mean_var"])
+    with pytest.raises(CheckFailed, match=r"your sync_grad.py \(exercise 2\), not found"):
         checks.sync_bn_function(str(tmp_path / "sync_bn.py"))
+    _write(tmp_path, solutions["ex2_sync_input_grad"])
+    assert checks.unfinished(tmp_path) is None
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsys):
     solutions = solution_sources(LAB)
-    for cell in ("ex2_sync_mean_var", "ex3_sync_input_grad", "ex4_sync_bn_function"):
+    for cell in ("ex1_sync_mean_var", "ex2_sync_input_grad", "ex3_sync_bn_function"):
         _write(tmp_path, solutions[cell])
     checks.sync_mean_var(str(tmp_path / "sync_stats.py"))
-    assert "OK: sync_mean_var gives every rank the global mean and variance on 2 ranks" in (
+    assert "OK: sync_mean_var gives every rank the global mean, variance and count on 2" in (
         capsys.readouterr().out
     )
     checks.sync_bn_function(str(tmp_path / "sync_bn.py"))  # on the student's own pieces
     assert "OK: SyncBNFunction equals BatchNorm over the global batch on 2 ranks" in (
         capsys.readouterr().out
     )
-    _write(tmp_path, _mistake("ex2_sync_mean_var"))
-    with pytest.raises(CheckFailed, match="the global mean: max abs difference"):
+    _write(tmp_path, _mistake("ex1_sync_mean_var"))  # averages the ranks' means
+    with pytest.raises(CheckFailed, match=r"2 ranks holding .*the global mean: off by"):
         checks.sync_mean_var(str(tmp_path / "sync_stats.py"))
-    _write(tmp_path, _mistake("ex3_sync_input_grad"))
-    with pytest.raises(CheckFailed, match="each rank needs the GLOBAL sums and count"):
+    _write(tmp_path, _mistake("ex2_sync_input_grad"))
+    with pytest.raises(CheckFailed, match="each rank needs sums over the GLOBAL batch"):
         checks.sync_input_grad(str(tmp_path / "sync_grad.py"))
 
 
@@ -438,25 +482,24 @@ def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsy
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_exercise4_is_graded_on_the_reference_pieces():
-    """Mistakes in exercises 2 and 3 do not cost exercise 4: the grader puts the reference
+def test_exercise3_is_graded_on_the_reference_pieces():
+    """Mistakes in exercises 1 and 2 do not cost exercise 3: the grader puts the reference
     sync_stats.py and sync_grad.py next to the student's sync_bn.py."""
     nb = notebook_with(
         LAB,
         {
-            "ex2_sync_mean_var": _mistake("ex2_sync_mean_var"),
-            "ex3_sync_input_grad": _mistake("ex3_sync_input_grad"),
+            "ex1_sync_mean_var": _mistake("ex1_sync_mean_var"),
+            "ex2_sync_input_grad": _mistake("ex2_sync_input_grad"),
         },
     )
-    gid = "test_ex4_sync_bn_function"
-    v = judge_notebook(nb, LAB, [gid], seed=SEED)[gid]
+    v = judge_notebook(nb, LAB, [GIDS[2]], seed=SEED)[GIDS[2]]
     assert v.passed, v
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deadlocking_rank_is_stopped_and_leaves_no_process():
-    grade_id = "test_ex2_sync_mean_var"
+    grade_id = GIDS[0]
     before = set(os.listdir("/proc"))
     v = judge_notebook(notebook_with(LAB, HANGS), LAB, [grade_id], seed=SEED)[grade_id]
     assert not v.passed and "did not finish" in v.message, v
@@ -464,58 +507,13 @@ def test_deadlocking_rank_is_stopped_and_leaves_no_process():
     assert not leftovers, f"processes of the hanging job survived: {leftovers}"
 
 
-# ------------------------------------------------------------ property: any draw, any seed
-
-PROPERTY_SEEDS = range(200)
-
-
-def _typical_and_more(cell: str) -> dict[str, str]:
-    return {m.name: m.source for m in MISTAKES if m.cell == cell}
-
-
-def test_property_moments_verdict_does_not_depend_on_the_draw():
-    gid = "test_ex1_local_moments"
-    right = solution_sources(LAB)["ex1_local_moments"]
-    wrongs = _typical_and_more("ex1_local_moments")
-    assert len(wrongs) >= 2
-    judge = _judge(gid)
-    for seed in PROPERTY_SEEDS:
-        inputs = _inputs(gid, seed)
-        assert_verdicts(
-            judge,
-            seed,
-            inputs,
-            _moments_outputs(right, inputs),
-            {k: _moments_outputs(src, inputs) for k, src in wrongs.items()},
-        )
-
-
-#: grade id -> (outputs of one case, the mistakes it can build)
-DISTRIBUTED_OUTPUTS = {
-    "test_ex2_sync_mean_var": (
-        _stats_outputs,
-        ["averaged", "unbiased", "no all_reduce", "local count"],
-    ),
-    "test_ex3_sync_input_grad": (_grad_outputs, ["local sums", "local count"]),
-    "test_ex4_sync_bn_function": (
-        _function_outputs,
-        ["biased running var", "reduced param grads", "local backward"],
-    ),
-}
-
-
-@pytest.mark.parametrize("grade_id", list(DISTRIBUTED_OUTPUTS))
-def test_property_distributed_verdicts_do_not_depend_on_the_draw(grade_id):
-    """200 draws: every rank's right outputs (simulated in this process) pass the grader's
-    full judge; each typical mistake fails it."""
-    outputs_of, mistaken = DISTRIBUTED_OUTPUTS[grade_id]
-    judge = _judge(grade_id)
-    for seed in PROPERTY_SEEDS:
-        inputs = _inputs(grade_id, seed)
-        assert_verdicts(
-            judge,
-            seed,
-            inputs,
-            _outputs(outputs_of, inputs),
-            {k: _outputs(outputs_of, inputs, k) for k in mistaken},
-        )
+def test_diagnoses_fire_only_on_wrong_answers():
+    """A hidden diagnosis never names a mistake for outputs that the kit's judge accepts."""
+    for gid, explain in (
+        (GIDS[0], extra._explain_stats),
+        (GIDS[1], extra._explain_grad),
+        (GIDS[2], extra._explain_function),
+    ):
+        for seed in range(20):
+            inputs = _inputs(gid, seed)
+            assert explain(inputs, _outputs(gid, inputs)) is None, (gid, seed)

@@ -156,15 +156,16 @@ def buffer_broadcast(curves: Mapping[str, Sequence[float]], channel: int = 0) ->
 
 
 def syncbn_flow(sizes: Sequence[int] = (3, 5, 0)) -> Figure:
-    """Synchronised BatchNorm, forward and backward: what each rank computes and reduces.
+    """Synchronised BatchNorm, forward and backward: what each rank computes and exchanges.
 
     Args:
         sizes: the ranks' batch sizes (they may differ, and be 0).
 
     Returns:
-        The figure: one row per rank; forward: local ``(sum, sumsq, n)`` -> all-reduce ->
-        the same global mean and variance on every rank -> normalise its own slice;
-        backward: local ``(sum dy, sum dy*x_hat)`` -> all-reduce -> its own ``dx``.
+        The figure: one row per rank; forward: this rank's per-channel statistics ->
+        all-gather -> the same global mean and variance on every rank (exercise 1) ->
+        normalise its own slice; backward: two per-channel sums -> all-reduce -> its own
+        ``dx`` (exercise 2).
 
     Example:
         >>> fig = syncbn_flow((2, 3))
@@ -178,36 +179,24 @@ def syncbn_flow(sizes: Sequence[int] = (3, 5, 0)) -> Figure:
     ax.axis("off")
     cols = [
         (0.0, 1.3, "this rank's\nslice"),
-        (1.6, 1.9, "forward: local\nsum, sumsq, n"),
-        (4.0, 1.1, ""),
+        (1.6, 1.9, "forward: statistics\nof its own slice"),
         (5.4, 1.8, "global mean, var\n(same on every rank)"),
-        (7.5, 2.8, "backward: local sum(dy),\nsum(dy x_hat) -> all-reduce -> dx"),
+        (7.5, 2.8, "backward: two per-channel\nsums -> all_reduce -> dx"),
     ]
     for x, w, title in cols:
-        if title:
-            ax.text(
-                x + w / 2, 0.78, title, ha="center", va="center", fontsize=8.5, fontweight="bold"
-            )
-    ax.text(
-        4.55, 0.78, "all_reduce\n(SUM)", ha="center", va="center", fontsize=8.5, fontweight="bold"
-    )
+        ax.text(x + w / 2, 0.78, title, ha="center", va="center", fontsize=8.5, fontweight="bold")
+    ax.text(4.55, 0.78, "all_gather", ha="center", va="center", fontsize=8.5, fontweight="bold")
     rows = [-0.85 * k for k in range(n)]
+    mid = (rows[0] + rows[-1]) / 2
     for k, (y, size) in enumerate(zip(rows, sizes, strict=True)):
         color = COLORS[k % len(COLORS)]
         _box(ax, 0.0, y - 0.28, 1.3, 0.56, f"rank {k}\n{size} samples", color, alpha=0.35)
-        _box(
-            ax,
-            1.6,
-            y - 0.28,
-            1.9,
-            0.56,
-            f"S{k}, Q{k}, n{k}" + ("  (zeros)" if size == 0 else ""),
-            color,
-        )
+        said = "  (weighs 0)" if size == 0 else ""
+        _box(ax, 1.6, y - 0.28, 1.9, 0.56, f"n{k}, mean{k}, var{k}{said}", color)
         _arrow(ax, (1.32, y), (1.58, y))
-        _arrow(ax, (3.52, y), (4.1, (rows[0] + rows[-1]) / 2))
-        _arrow(ax, (5.0, (rows[0] + rows[-1]) / 2), (5.38, y))
-        _box(ax, 5.4, y - 0.28, 1.8, 0.56, "mean = S / n\nvar = Q / n - mean²", GREY, alpha=0.2)
+        _arrow(ax, (3.52, y), (4.1, mid))
+        _arrow(ax, (5.0, mid), (5.38, y))
+        _box(ax, 5.4, y - 0.28, 1.8, 0.56, "combine the table\n(exercise 1)", GREY, alpha=0.2)
         _arrow(ax, (7.22, y), (7.48, y))
         _box(
             ax,
@@ -215,7 +204,7 @@ def syncbn_flow(sizes: Sequence[int] = (3, 5, 0)) -> Figure:
             y - 0.28,
             2.8,
             0.56,
-            f"dx of rank {k}'s slice\n(global sums, global n)",
+            f"dx of rank {k}'s slice\n(global sums, global n; exercise 2)",
             color,
             alpha=0.15,
         )
@@ -231,16 +220,12 @@ def syncbn_flow(sizes: Sequence[int] = (3, 5, 0)) -> Figure:
             edgecolor="black",
         )
     )
-    ax.text(
-        4.55,
-        (top + bottom) / 2,
-        "S = ΣS_k\nQ = ΣQ_k\nn = Σn_k",
-        ha="center",
-        va="center",
-        fontsize=8.5,
-    )
+    table = "\n".join(f"n{k} m{k} v{k}" for k in range(n))
+    ax.text(4.55, mid, table, ha="center", va="center", fontsize=8)
     ax.set_title(
-        "Synchronised BatchNorm: add up sums (never means), then normalise locally", fontsize=10
+        "Synchronised BatchNorm: every rank gets every rank's statistics (never an average of "
+        "means), then normalises its own slice",
+        fontsize=10,
     )
     return _done(fig)
 
@@ -268,11 +253,11 @@ def averaging_error(
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     ax.plot(shares, mean_error, "o-", color=COLORS[3], label="mean: average of rank means")
     ax.plot(shares, var_error, "s-", color=COLORS[4], label="variance: average of rank variances")
-    ax.axhline(0, color=COLORS[2], lw=2, label="all-reduced sums (exact)")
+    ax.axhline(0, color=COLORS[2], lw=2, label="the global batch's statistics (exact)")
     ax.axvline(0.5, color=GREY, ls="--", lw=1)
     ax.set_xlabel("rank 0's share of the global batch (2 ranks)")
     ax.set_ylabel("abs. error vs the global batch")
-    ax.set_title("Averaging per-rank statistics is wrong; adding sums is exact", fontsize=10)
+    ax.set_title("Averaging per-rank statistics is wrong as soon as the ranks differ", fontsize=10)
     ax.legend(fontsize=8)
     return _done(fig)
 
@@ -326,4 +311,32 @@ def training_runs(
     ax2.set_xticks(range(len(labels)), [k.replace(", ", "\n") for k in labels], fontsize=7.5)
     ax2.set_ylabel("test accuracy (%)")
     fig.suptitle("The trainer at a tiny per-process batch, with and without --sync-bn", fontsize=10)
+    return _done(fig)
+
+
+def drift(steps: Sequence[int], curves: Mapping[str, Sequence[float]]) -> Figure:
+    """How far apart runs that are equal in exact arithmetic end up, step by step.
+
+    Args:
+        steps: the optimizer steps compared.
+        curves: ``label -> largest absolute difference of the weights at each step``.
+
+    Returns:
+        The figure (log scale), with float32's rounding of a weight near 1 marked.
+
+    Example:
+        >>> fig = drift([2, 4], {"a vs b": [1e-8, 1e-5]})
+        >>> len(fig.axes)
+        1
+    """
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    markers = "os^v"
+    for i, (label, values) in enumerate(curves.items()):
+        shown = [max(float(v), 1e-9) for v in values]
+        ax.semilogy(list(steps), shown, marker=markers[i % 4], color=COLORS[i], label=label)
+    ax.axhline(6e-8, color=GREY, ls="--", lw=1, label="float32 rounding near 1")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("max |weight difference|")
+    ax.set_title("Equal in exact arithmetic, apart after a few steps", fontsize=10)
+    ax.legend(fontsize=8)
     return _done(fig)

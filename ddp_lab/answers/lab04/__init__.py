@@ -1,9 +1,9 @@
 """Lab 4 (SyncBatchNorm), instructor only: reference answers, the grader's additions, mistakes.
 
-- ``references.py``: synchronised BatchNorm step by step (exercises 1 and 4) and the files
-  of exercises 2 and 3;
+- ``references.py``: the three exercises' files (``sync_stats.py``, ``sync_grad.py``,
+  ``sync_bn.py``) and the pieces the tests use to simulate every rank in one process;
 - ``hidden.py``: ``HIDDEN``, the diagnoses of typical mistakes and the reference files
-  exercise 4 builds on;
+  exercise 3 builds on;
 - ``mistakes.py``: ``MISTAKES``, ``HANGS``, ``HANG_LOSES``.
 """
 

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from ddp_lab.answers import Mistake
 
-# exercise 4's file with a right forward; the mistakes below finish its backward
-_FUNCTION_HEAD = """%%writefile sync_bn.py
+_STATS_HEAD = """%%writefile sync_stats.py
+import torch
+import torch.distributed as dist
+
+
+"""
+
+# exercise 3's file with a forward written the long way; the mistakes below change one
+# thing each (marked) and finish the backward
+_FUNCTION = """%%writefile sync_bn.py
 import torch
 import torch.distributed as dist
 
@@ -22,114 +30,137 @@ from sync_stats import sync_mean_var
 class SyncBNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
-        dims = [0, *range(2, x.dim())]
-        n = torch.tensor(float(x.numel() // x.size(1)), dtype=torch.float64)
-        mean, var, count = sync_mean_var(x.double().sum(dims), x.double().square().sum(dims), n)
-        count = float(count)
-        running_mean.mul_(1 - momentum).add_(momentum * mean)
-        running_var.mul_(1 - momentum).add_(momentum * var * count / (count - 1))
-        view = (1, -1, *([1] * (x.dim() - 2)))
-        invstd = (var + eps).rsqrt()
-        x_hat = (x - mean.reshape(view)) * invstd.reshape(view)
-        ctx.save_for_backward(x_hat, invstd, weight)
-        ctx.count = count
-        return x_hat * weight.reshape(view) + bias.reshape(view)
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        mu, sigma2, n = sync_mean_var(x)
+        n = int(n)
+        new_mean = (1 - momentum) * running_mean + momentum * mu
+        new_var = (1 - momentum) * running_var + momentum * sigma2 * n / (n - 1)  # RUNNING_VAR
+        running_mean.copy_(new_mean)  # IN_PLACE
+        running_var.copy_(new_var)  # IN_PLACE
+        inv = 1.0 / torch.sqrt(sigma2 + eps)
+        xn = (x - mu.view(shape)) * inv.view(shape)
+        ctx.save_for_backward(xn, inv, weight)
+        ctx.n = n
+        return weight.view(shape) * xn + bias.view(shape)
 
     @staticmethod
-    def backward(ctx, dy):
-        x_hat, invstd, weight = ctx.saved_tensors
-        dims = [0, *range(2, dy.dim())]
+    def backward(ctx, grad):
+        xn, inv, weight = ctx.saved_tensors
+        axes = [0] + list(range(2, grad.dim()))
+"""
+_BACKWARD = """        dx = sync_input_grad(grad, xn, inv, weight, ctx.n)
+        return dx, (grad * xn).sum(axes), grad.sum(axes), None, None, None, None
 """
 
 MISTAKES = [
     # --- exercise 1 -----------------------------------------------------------------------
     Mistake(
-        "ex1_local_moments",
-        "typical",  # reducing over the batch dimension only: right for (N, C) only
-        """
-def local_moments(x):
-    x64 = x.double()
-    return x64.sum(0), (x64 * x64).sum(0), x.shape[0]
-""",
-        "every dimension except the channel",
-    ),
-    Mistake(
-        "ex1_local_moments",
-        "count_without_spatial",  # the sums are right, the count forgets the positions
-        """
-def local_moments(x):
-    dims = [0, *range(2, x.dim())]
-    return x.double().sum(dims), x.double().square().sum(dims), x.shape[0]
-""",
-        "number of values per channel",
-    ),
-    # --- exercise 2 -----------------------------------------------------------------------
-    Mistake(
-        "ex2_sync_mean_var",
-        "typical",  # averaging the ranks' means and variances (NaN on the empty rank)
-        """%%writefile sync_stats.py
-import torch
-import torch.distributed as dist
-
-
-def sync_mean_var(s, ss, n):
-    mean = s / n
-    var = ss / n - mean * mean
-    world = dist.get_world_size()
-    dist.all_reduce(mean)
-    dist.all_reduce(var)
+        "ex1_sync_mean_var",
+        "typical",  # the ranks' means and variances averaged (NaN on an empty rank)
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    dims = [0] + list(range(2, x.dim()))
+    n = torch.tensor(float(x.numel() // x.shape[1]))
+    mu = x.mean(dim=dims)
+    sigma2 = x.var(dim=dims, unbiased=False)
+    ranks = dist.get_world_size()
+    dist.all_reduce(mu)
+    dist.all_reduce(sigma2)
     dist.all_reduce(n)
-    return mean / world, var / world, n
+    return mu / ranks, sigma2 / ranks, n
 """,
-        "not means",
+        "averaged the ranks' means",
     ),
     Mistake(
-        "ex2_sync_mean_var",
-        "no_all_reduce",  # every rank keeps its own statistics (plain BatchNorm)
-        """%%writefile sync_stats.py
-import torch
-
-
-def sync_mean_var(s, ss, n):
-    mean = s / n
-    return mean, ss / n - mean * mean, n
-""",
-        "global mean",
-    ),
-    Mistake(
-        "ex2_sync_mean_var",
-        "unbiased_variance",  # BatchNorm normalises with the biased variance
-        """%%writefile sync_stats.py
-import torch
-import torch.distributed as dist
-
-
-def sync_mean_var(s, ss, n):
-    packed = torch.cat([s, ss, n.reshape(1)])
+        "ex1_sync_mean_var",
+        "float32_sums",  # sum and sum of squares in the input's dtype: E[x^2] - mean^2
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    axes = tuple(d for d in range(x.dim()) if d != 1)
+    count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype)
+    packed = torch.cat([x.sum(axes), (x * x).sum(axes), count])
     dist.all_reduce(packed)
-    c = s.numel()
-    mean = packed[:c] / packed[-1]
-    var = (packed[c:2 * c] - packed[-1] * mean * mean) / (packed[-1] - 1)
-    return mean, var, packed[-1]
+    C = x.shape[1]
+    n = packed[-1]
+    mean = packed[:C] / n
+    return mean, packed[C : 2 * C] / n - mean**2, n
 """,
-        "biased) variance",
+        "two large numbers",
     ),
     Mistake(
-        "ex2_sync_mean_var",
+        "ex1_sync_mean_var",
+        "float64_sums",  # the same in float64: right for float32 data, not near 1e8
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    d = [0, *range(2, x.dim())]
+    x64 = x.double()
+    s = torch.stack([x64.sum(d), x64.pow(2).sum(d)])
+    n = torch.tensor(x.numel() // x.size(1), dtype=torch.float64)
+    dist.all_reduce(s)
+    dist.all_reduce(n)
+    m = s[0] / n
+    return m, s[1] / n - m * m, n
+""",
+        "two large numbers",
+    ),
+    Mistake(
+        "ex1_sync_mean_var",
+        "within_only",  # count-weighted means and variances: the spread between ranks lost
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    dims = [0] + list(range(2, x.dim()))
+    n = x.numel() // x.shape[1]
+    if n:
+        local_var, local_mean = torch.var_mean(x, dim=dims, unbiased=False)
+    else:
+        local_var = local_mean = torch.zeros(x.shape[1], dtype=x.dtype)
+    buf = torch.cat([n * local_mean, n * local_var, x.new_tensor([n])])
+    dist.all_reduce(buf)
+    C = x.shape[1]
+    return buf[:C] / buf[-1], buf[C:-1] / buf[-1], buf[-1]
+""",
+        "between the ranks' means",
+    ),
+    Mistake(
+        "ex1_sync_mean_var",
+        "unbiased",  # right pooling, but divided by n - 1
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    dims = [0] + list(range(2, x.dim()))
+    n = x.numel() // x.shape[1]
+    if n:
+        v, m = torch.var_mean(x, dim=dims, unbiased=False)
+    else:
+        v = m = torch.zeros(x.shape[1], dtype=x.dtype)
+    counts = torch.tensor([float(n)], dtype=x.dtype)
+    dist.all_reduce(counts)
+    total = counts[0]
+    mean = n * m
+    dist.all_reduce(mean)
+    mean = mean / total
+    ss = n * (v + (m - mean) ** 2)
+    dist.all_reduce(ss)
+    return mean, ss / (total - 1), total
+""",
+        "unbiased variance",
+    ),
+    Mistake(
+        "ex1_sync_mean_var",
         "uses_runtime",  # the course's runtime module instead of one's own code: refused
         """%%writefile sync_stats.py
-from ddp_lab.syncbn import all_reduce_packed, global_mean_var
+from ddp_lab.syncbn import SyncBatchNorm
 
 
-def sync_mean_var(s, ss, n):
-    s, ss, n = all_reduce_packed([s, ss, n])
-    return (*global_mean_var(s, ss, n), n)
+def sync_mean_var(x):
+    bn = SyncBatchNorm(x.shape[1], affine=False, momentum=1.0)
+    bn(x)
+    return bn.running_mean, bn.running_var, x.shape[0]
 """,
         "uses ddp_lab.syncbn",
     ),
-    # --- exercise 3 -----------------------------------------------------------------------
+    # --- exercise 2 -----------------------------------------------------------------------
     Mistake(
-        "ex3_sync_input_grad",
+        "ex2_sync_input_grad",
         "typical",  # no all-reduce in backward: this rank's sums with the global count
         """%%writefile sync_grad.py
 import torch
@@ -137,16 +168,17 @@ import torch.distributed as dist
 
 
 def sync_input_grad(dy, x_hat, invstd, weight, count):
-    dims = [0, *range(2, dy.dim())]
-    view = (1, -1, *([1] * (dy.dim() - 2)))
-    mean_dy = (dy.sum(dims) / count).reshape(view)
-    mean_dy_xhat = ((dy * x_hat).sum(dims) / count).reshape(view)
-    return (weight * invstd).reshape(view) * (dy - mean_dy - x_hat * mean_dy_xhat)
+    axes = [0] + list(range(2, dy.dim()))
+    shape = [1, -1] + [1] * (dy.dim() - 2)
+    g = dy * weight.view(shape)
+    term1 = g.sum(axes, keepdim=True) / count
+    term2 = x_hat * (g * x_hat).sum(axes, keepdim=True) / count
+    return invstd.view(shape) * (g - term1 - term2)
 """,
         "must be all-reduced",
     ),
     Mistake(
-        "ex3_sync_input_grad",
+        "ex2_sync_input_grad",
         "local_count",  # sums all-reduced, but divided by this rank's count
         """%%writefile sync_grad.py
 import torch
@@ -159,81 +191,127 @@ def sync_input_grad(dy, x_hat, invstd, weight, count):
     sums = torch.cat([dy.sum(dims), (dy * x_hat).sum(dims)])
     dist.all_reduce(sums)
     c = weight.numel()
-    local = dy.numel() // c
+    local = max(dy.numel() // c, 1)
     return (weight * invstd).reshape(view) * (
         dy - (sums[:c] / local).reshape(view) - x_hat * (sums[c:] / local).reshape(view))
 """,
-        "input gradient",
+        "this rank's count",
     ),
-    # --- exercise 4 -----------------------------------------------------------------------
     Mistake(
-        "ex4_sync_bn_function",
-        "typical",  # running_var tracked with the biased variance, everything else right
-        _FUNCTION_HEAD.replace("momentum * var * count / (count - 1)", "momentum * var")
-        + """
-        dx = sync_input_grad(dy, x_hat, invstd, weight, ctx.count)
-        return dx, (dy * x_hat).sum(dims), dy.sum(dims), None, None, None, None
+        "ex2_sync_input_grad",
+        "mean_path_only",  # the mean's dependence on x, but not the variance's
+        """%%writefile sync_grad.py
+import torch
+import torch.distributed as dist
+
+
+def sync_input_grad(dy, x_hat, invstd, weight, count):
+    red = tuple([0] + list(range(2, dy.dim())))
+    s = dy.sum(red)
+    dist.all_reduce(s)
+    b = [1, len(weight)] + [1] * (dy.dim() - 2)
+    return weight.view(b) * invstd.view(b) * (dy - s.view(b) / count)
 """,
+        "the variance depends on x",
+    ),
+    Mistake(
+        "ex2_sync_input_grad",
+        "no_weight",  # gamma left out of the chain rule
+        """%%writefile sync_grad.py
+import torch
+import torch.distributed as dist
+
+
+def sync_input_grad(dy, x_hat, invstd, weight, count):
+    red = tuple([0] + list(range(2, dy.dim())))
+    b = [1, len(weight)] + [1] * (dy.dim() - 2)
+    a = dy.sum(red)
+    c = (dy * x_hat).sum(red)
+    dist.all_reduce(a)
+    dist.all_reduce(c)
+    return invstd.view(b) * (dy - a.view(b) / count - x_hat * c.view(b) / count)
+""",
+        "weight (gamma) is missing",
+    ),
+    # --- exercise 3 -----------------------------------------------------------------------
+    Mistake(
+        "ex3_sync_bn_function",
+        "typical",  # running_var tracked with the biased variance, everything else right
+        _FUNCTION.replace("momentum * sigma2 * n / (n - 1)", "momentum * sigma2") + _BACKWARD,
         "biased variance",
     ),
     Mistake(
-        "ex4_sync_bn_function",
+        "ex3_sync_bn_function",
         "reduced_param_grads",  # weight and bias gradients all-reduced: DDP counts them twice
-        _FUNCTION_HEAD
-        + """
-        dx = sync_input_grad(dy, x_hat, invstd, weight, ctx.count)
-        sums = torch.cat([(dy * x_hat).sum(dims), dy.sum(dims)])
-        dist.all_reduce(sums)
-        d_weight, d_bias = sums.split(weight.numel())
-        return dx, d_weight, d_bias, None, None, None, None
+        _FUNCTION
+        + """        dx = sync_input_grad(grad, xn, inv, weight, ctx.n)
+        dw, db = (grad * xn).sum(axes), grad.sum(axes)
+        dist.all_reduce(dw)
+        dist.all_reduce(db)
+        return dx, dw, db, None, None, None, None
 """,
         "counts them twice",
     ),
     Mistake(
-        "ex4_sync_bn_function",
+        "ex3_sync_bn_function",
         "local_backward",  # dx written out with this rank's sums instead of sync_input_grad
-        _FUNCTION_HEAD
-        + """
-        view = (1, -1, *([1] * (dy.dim() - 2)))
-        mean_dy = (dy.sum(dims) / ctx.count).reshape(view)
-        mean_dy_xhat = ((dy * x_hat).sum(dims) / ctx.count).reshape(view)
-        dx = (weight * invstd).reshape(view) * (dy - mean_dy - x_hat * mean_dy_xhat)
-        return dx, (dy * x_hat).sum(dims), dy.sum(dims), None, None, None, None
+        _FUNCTION
+        + """        shape = [1, -1] + [1] * (grad.dim() - 2)
+        m1 = grad.sum(axes).view(shape) / ctx.n
+        m2 = (grad * xn).sum(axes).view(shape) / ctx.n
+        dx = (weight * inv).view(shape) * (grad - m1 - xn * m2)
+        return dx, (grad * xn).sum(axes), grad.sum(axes), None, None, None, None
 """,
         "input gradient",
     ),
     Mistake(
-        "ex4_sync_bn_function",
+        "ex3_sync_bn_function",
+        "not_in_place",  # the buffers' names rebound: the caller's tensors never change
+        _FUNCTION.replace("running_mean.copy_(new_mean)", "running_mean = new_mean").replace(
+            "running_var.copy_(new_var)", "running_var = new_var"
+        )
+        + _BACKWARD,
+        "IN PLACE",
+    ),
+    Mistake(
+        "ex3_sync_bn_function",
         "uses_runtime",  # the runtime's finished SyncBatchNorm: refused
         """%%writefile sync_bn.py
 import torch
-from ddp_lab.syncbn import sync_batch_norm
+from ddp_lab.syncbn import SyncBatchNorm
 
 
 class SyncBNFunction:
     @staticmethod
     def apply(x, weight, bias, running_mean, running_var, momentum, eps):
-        return sync_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps)
+        bn = SyncBatchNorm(x.shape[1], eps=eps, momentum=momentum)
+        bn.weight, bn.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+        return bn(x)
 """,
         "uses ddp_lab.syncbn",
     ),
 ]
 
-# A rank with no samples skips the all-reduce: the other ranks wait for it forever. The test
-# cell's 2-rank run (no empty rank) passes; the grader's 3-rank case, with an empty rank, hangs.
+# A rank with no samples skips the collective: the other ranks wait for it forever. The
+# grader's first run with an empty rank is over 2 ranks (its partner waits in that group's
+# collective), so the job is stopped after its timeout.
 HANGS = {
-    "ex2_sync_mean_var": """%%writefile sync_stats.py
-import torch
-import torch.distributed as dist
-
-
-def sync_mean_var(s, ss, n):
-    packed = torch.cat([s, ss, n.reshape(1)])
-    if n.item() > 0:  # "nothing to contribute": but the others wait for this rank
-        dist.all_reduce(packed)
-    c = s.numel()
-    mean = packed[:c] / packed[-1]
-    return mean, packed[c:2 * c] / packed[-1] - mean * mean, packed[-1]
+    "ex1_sync_mean_var": _STATS_HEAD
+    + """def sync_mean_var(x):
+    dims = [0, *range(2, x.dim())]
+    n = x.numel() // x.size(1)
+    if n == 0:  # "nothing to contribute": but the others wait for this rank
+        nan = torch.full((x.size(1),), float("nan"), dtype=x.dtype)
+        return nan, nan, 0
+    var, mean = torch.var_mean(x, dim=dims, correction=0)
+    mine = torch.cat([x.new_tensor([n]), mean, var])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    t = torch.stack(everyone)
+    c = x.size(1)
+    w = t[:, :1] / t[:, :1].sum()
+    m = (w * t[:, 1 : 1 + c]).sum(0)
+    return m, (w * (t[:, 1 + c :] + (t[:, 1 : 1 + c] - m) ** 2)).sum(0), t[:, 0].sum()
 """,
 }
-HANG_LOSES = ["test_ex2_sync_mean_var"]
+HANG_LOSES = ["test_ex1_sync_mean_var"]
