@@ -4,6 +4,7 @@ The student's process saves its outputs with ``torch.save`` and the judge loads 
 ``weights_only=True``, which only accepts tensors, numbers, strings, lists and dicts: student
 objects are turned into those here (:func:`plain`). Inputs are drawn from a
 ``torch.Generator`` that the grader seeds at grading time (:func:`randint`, :func:`uniform`).
+Parameter dicts (name -> tensor) are compared with :func:`max_diff` and :func:`same_bits`.
 """
 
 from __future__ import annotations
@@ -104,3 +105,52 @@ def log_uniform(gen: torch.Generator, low: float, high: float) -> float:
         True
     """
     return math.exp(uniform(gen, math.log(low), math.log(high)))
+
+
+def max_diff(a, b) -> float:
+    """Largest absolute difference between two parameter dicts (``inf`` when they do not
+    match in names or shapes, or hold a non-finite value).
+
+    Example:
+        >>> max_diff({"w": torch.ones(2)}, {"w": torch.tensor([1.0, 1.5])})
+        0.5
+    """
+    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
+        return math.inf
+    worst = 0.0
+    for k in b:
+        x, y = a[k], b[k]
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            return math.inf
+        if x.shape != y.shape:
+            return math.inf
+        d = (x.double() - y.double()).abs()
+        if not bool(torch.isfinite(d).all()):
+            return math.inf
+        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+    return worst
+
+
+def same_bits(a, b) -> bool:
+    """True when two parameter dicts hold the same tensors bit for bit: same names, dtypes,
+    shapes and bytes (a NaN equals the same NaN).
+
+    Example:
+        >>> nan = torch.tensor([float("nan")])
+        >>> same_bits({"w": nan}, {"w": nan.clone()}), same_bits({"w": nan}, {"w": nan.half()})
+        (True, False)
+    """
+    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
+        return False
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    return all(
+        isinstance(a[k], torch.Tensor)
+        and isinstance(b[k], torch.Tensor)
+        and a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and bool(torch.equal(raw(a[k]), raw(b[k])))
+        for k in b
+    )

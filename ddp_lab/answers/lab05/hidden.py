@@ -30,8 +30,7 @@ from ddp_lab.checks.lab05 import ex2_loss_scaler as ex2
 from ddp_lab.checks.lab05 import ex3_accumulation as ex3
 from ddp_lab.checks.lab05 import ex4_amp_step as ex4
 from ddp_lab.checks.lab05 import ex5_global_grad_norm as ex5
-from ddp_lab.checks.lab05.common import max_diff, same_bits
-from ddp_lab.checks.values import number
+from ddp_lab.checks.values import max_diff, number, same_bits
 
 # --- exercise 1 ---------------------------------------------------------------------------
 

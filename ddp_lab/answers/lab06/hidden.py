@@ -29,7 +29,7 @@ from ddp_lab.checks.lab06 import ex2_resume as ex2
 from ddp_lab.checks.lab06 import ex3_rollback as ex3
 from ddp_lab.checks.lab06 import ex4_fix_hang as ex4
 from ddp_lab.checks.lab06 import recipe
-from ddp_lab.checks.lab06.common import same_bits
+from ddp_lab.checks.values import same_bits
 
 # --- exercise 1 ---------------------------------------------------------------------------
 

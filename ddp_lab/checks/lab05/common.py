@@ -1,7 +1,7 @@
 """What lab 5's exercises share: the lab's name, its files, small models and their weights.
 
 None of this is an answer to an exercise: the models are the inputs the checks train, and
-:func:`state` / :func:`max_diff` only read them.
+:func:`state` / :func:`ddp_lab.checks.values.max_diff` only read them.
 """
 
 from __future__ import annotations
@@ -74,33 +74,3 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name.removeprefix("module."): p.detach().clone() for name, p in model.named_parameters()
     }
-
-
-def max_diff(a: dict, b: dict) -> float:
-    """Largest absolute difference between two parameter dicts (``inf`` when the names,
-    shapes differ, or a value is not finite)."""
-    if not isinstance(a, dict) or set(a) != set(b):
-        return math.inf
-    worst = 0.0
-    for k in b:
-        x, y = a[k], b[k]
-        if not isinstance(x, torch.Tensor) or x.shape != y.shape:
-            return math.inf
-        d = (x.double() - y.double()).abs()
-        if not bool(torch.isfinite(d).all()):
-            return math.inf
-        worst = max(worst, float(d.max()) if d.numel() else 0.0)
-    return worst
-
-
-def same_bits(a: dict, b: dict) -> bool:
-    """True when two parameter dicts hold the same tensors bit for bit (NaN equal to NaN)."""
-    if not isinstance(a, dict) or set(a) != set(b):
-        return False
-    return all(
-        isinstance(a[k], torch.Tensor)
-        and a[k].dtype == b[k].dtype
-        and a[k].shape == b[k].shape
-        and bool(torch.equal(a[k].view(-1).view(torch.int8), b[k].view(-1).view(torch.int8)))
-        for k in b
-    )

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab05.common import max_diff, net, random_state, same_bits, state
-from ddp_lab.checks.values import number, plain, randint, uniform
+from ddp_lab.checks.lab05.common import net, random_state, state
+from ddp_lab.checks.values import max_diff, number, plain, randint, same_bits, uniform
 
 #: Forced gradient events: what is written into one gradient entry after a backward pass.
 EVENTS = {0: None, 1: math.inf, 2: -math.inf, 3: math.nan}

@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab05.common import ACCUM_FILE, max_diff, net, random_state, state
-from ddp_lab.checks.values import randint, uniform
+from ddp_lab.checks.lab05.common import ACCUM_FILE, net, random_state, state
+from ddp_lab.checks.values import max_diff, randint, uniform
 from ddp_lab.dist import ddp_bucket_count
 
 #: float64 throughout: DDP's average equals the big batch's mean to rounding.

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab05.common import net, random_state, same_bits, state
-from ddp_lab.checks.values import number, randint, uniform
+from ddp_lab.checks.lab05.common import net, random_state, state
+from ddp_lab.checks.values import number, randint, same_bits, uniform
 
 #: How far a right step may be from the float32 step (relative to the step's size).
 TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}

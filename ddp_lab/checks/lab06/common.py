@@ -111,33 +111,3 @@ def ordered_mean_hook(world: int):
         return fut.then(combine)
 
     return hook
-
-
-def same_bits(a, b) -> bool:
-    """True when two parameter dicts hold the same tensors bit for bit."""
-    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
-        return False
-    return all(
-        isinstance(a[k], torch.Tensor)
-        and a[k].dtype == b[k].dtype
-        and a[k].shape == b[k].shape
-        and bool(torch.equal(a[k], b[k]))
-        for k in b
-    )
-
-
-def max_diff(a, b) -> float:
-    """Largest absolute difference between two parameter dicts (``inf`` when they do not
-    match in names or shapes, or hold a non-finite value)."""
-    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
-        return math.inf
-    worst = 0.0
-    for k in b:
-        x, y = a[k], b[k]
-        if not isinstance(x, torch.Tensor) or x.shape != y.shape:
-            return math.inf
-        d = (x.double() - y.double()).abs()
-        if not bool(torch.isfinite(d).all()):
-            return math.inf
-        worst = max(worst, float(d.max()) if d.numel() else 0.0)
-    return worst

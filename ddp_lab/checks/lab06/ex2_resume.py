@@ -44,15 +44,13 @@ from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab06.common import (
     RESUME_FILE,
-    max_diff,
     net,
     ordered_mean_hook,
     params,
     random_state,
-    same_bits,
 )
 from ddp_lab.checks.lab06.recipe import EPOCHS, dataset, make_optimizer, oracle
-from ddp_lab.checks.values import randint, uniform
+from ddp_lab.checks.values import max_diff, randint, same_bits, uniform
 
 CKPT_NAME = "ckpt.pt"
 #: Seconds one call of the student's train may take on a rank before the watchdog ends it.
