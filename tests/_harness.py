@@ -156,7 +156,7 @@ def notebook_with(lab: str, replace: Mapping[str, str], folder: str = "solutions
     """The lab's notebook with the solution cells named in ``replace`` swapped for new sources.
 
     Example:
-        >>> nb = notebook_with("lab01_data_parallel", {"ex2_average_gradients": "x = 1"})
+        >>> nb = notebook_with("lab01_data_parallel", {"ex2_data_parallel_step": "x = 1"})
     """
     nb = copy.deepcopy(lab_notebook(lab, folder))
     unknown = set(replace) - {nbgrader_meta(c).get("grade_id") for c in nb["cells"]}

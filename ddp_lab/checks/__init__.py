@@ -8,7 +8,7 @@ global batch, ``DistributedSampler``) or with properties. The lab package export
 *visible check* per test cell, which runs that contract on small fixed inputs through
 :mod:`ddp_lab.checks.runner` and prints ``OK: ...`` or raises :class:`CheckFailed`::
 
-    checks.average_gradients(average_gradients)      # visible, in the student's kernel
+    checks.data_parallel_step(data_parallel_step)    # visible, in the student's kernel
 
 The points come from the grader (``ddp_lab.grading``, instructor only), which runs the same
 contract outside the kernel on inputs drawn at grading time and adds the instructor's exact

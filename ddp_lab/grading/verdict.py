@@ -240,7 +240,7 @@ def judge_notebook(
 
 
 def hidden_test(grade_id: str, notebook: str | Path | None = None) -> None:
-    """The hidden part of a test cell: ``hidden_test("test_ex2_average_gradients")``.
+    """The hidden part of a test cell: ``hidden_test("test_ex2_data_parallel_step")``.
 
     Under ``nbgrader autograde`` it only says that the grader decides (the grader judges
     outside the kernel and overwrites this cell's outcome). Run by hand (an instructor in
