@@ -13,6 +13,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from torch.utils.data import DistributedSampler
 
+from ddp_lab.figures.lab03_timing import (  # noqa: F401 - the lab's figures, in one place
+    bucket_timeline,
+    my_ddp_timeline,
+    overlap,
+    overlap_measured,
+)
 from ddp_lab.figures.style import COLORS, GREY
 from ddp_lab.figures.style import arrow as _arrow
 from ddp_lab.figures.style import box as _box
@@ -67,9 +73,14 @@ def ddp_step(world_size: int = 2) -> Figure:
 
 
 def sampler_shards(
-    n: int = 22, world_size: int = 3, epochs: int = 2, seed: int = 0, set_epoch: bool = True
+    n: int = 22,
+    world_size: int = 3,
+    epochs: int = 2,
+    seed: int = 0,
+    set_epoch: bool = True,
+    drop_last: bool = True,
 ) -> Figure:
-    """Which rank reads which sample, epoch by epoch, under ``DistributedSampler``.
+    """The order of each epoch under ``DistributedSampler``, and which rank reads what.
 
     Args:
         n: data set size.
@@ -77,55 +88,75 @@ def sampler_shards(
         epochs: rows to draw.
         seed: the sampler's seed.
         set_epoch: whether ``sampler.set_epoch(epoch)`` is called (False: every epoch uses
-            the permutation of epoch 0).
+            the order of epoch 0).
+        drop_last: the sampler's ``drop_last`` (False: the order is padded with repeats).
 
     Returns:
-        The figure: one row per epoch, one cell per sample index coloured by the rank that
-        reads it (grey: dropped by ``drop_last=True``); the number in a cell is the step (the
-        position in that rank's shard).
+        The figure: one row per epoch, the epoch's order from left to right, each position
+        coloured by the rank that reads it (the number in a cell is the sample index); padded
+        positions hatched, dropped samples grey at the end.
 
     Example:
-        >>> len(sampler_shards(8, 2, epochs=1).axes)
+        >>> len(sampler_shards(8, 3, epochs=1, drop_last=False).axes)
         1
     """
-    fig, ax = plt.subplots(figsize=(min(11, 0.42 * n + 1.6), 0.75 * epochs + 1.0))
     samplers = [
         DistributedSampler(
-            range(n), num_replicas=world_size, rank=r, shuffle=True, seed=seed, drop_last=True
+            range(n), num_replicas=world_size, rank=r, shuffle=True, seed=seed, drop_last=drop_last
         )
         for r in range(world_size)
     ]
+    width = max(n, len(samplers[0]) * world_size)
+    fig, ax = plt.subplots(figsize=(min(11, 0.42 * width + 1.6), 0.75 * epochs + 1.1))
     for e in range(epochs):
-        step_of = {}  # sample index -> (rank, step)
-        for r, sampler in enumerate(samplers):
+        shards = []
+        for sampler in samplers:
             sampler.set_epoch(e if set_epoch else 0)
-            step_of.update({i: (r, k) for k, i in enumerate(sampler)})
+            shards.append(list(sampler))
         y = epochs - 1 - e
-        for i in range(n):
-            color, label = LIGHT, ""
-            if i in step_of:
-                r, k = step_of[i]
-                color, label = COLORS[r], str(k)
-            ax.add_patch(Rectangle((i, y + 0.1), 0.92, 0.8, facecolor=color, alpha=0.85))
-            ax.text(i + 0.46, y + 0.5, label, ha="center", va="center", fontsize=7, color="white")
+        cells = [
+            (i, r) for k in range(len(shards[0])) for r, s in enumerate(shards) for i in [s[k]]
+        ]
+        cells += [(i, None) for i in range(n) if all(i not in s for s in shards)]
+        for pos, (i, r) in enumerate(cells):
+            pad = r is not None and pos >= n
+            ax.add_patch(
+                Rectangle(
+                    (pos, y + 0.1),
+                    0.92,
+                    0.8,
+                    facecolor=LIGHT if r is None else COLORS[r],
+                    alpha=0.85,
+                    hatch="///" if pad else None,
+                    edgecolor="white",
+                )
+            )
+            color = "black" if r is None else "white"
+            ax.text(pos + 0.46, y + 0.5, str(i), ha="center", va="center", fontsize=7, color=color)
         ax.text(-0.3, y + 0.5, f"epoch {e}", ha="right", va="center", fontsize=9)
     for r in range(world_size):
         ax.add_patch(Rectangle((0, 0), 0, 0, facecolor=COLORS[r], label=f"rank {r}"))
-    ax.add_patch(Rectangle((0, 0), 0, 0, facecolor=LIGHT, label="dropped"))
-    ax.set_xlim(-2.2, n + 0.2)
+    if drop_last:
+        ax.add_patch(Rectangle((0, 0), 0, 0, facecolor=LIGHT, label="dropped"))
+    else:
+        ax.add_patch(Rectangle((0, 0), 0, 0, facecolor=GREY, hatch="///", label="padding"))
+    ax.set_xlim(-2.2, width + 0.2)
     ax.set_ylim(-0.1, epochs + 0.1)
-    ax.set_xticks([i + 0.46 for i in range(n)], [str(i) for i in range(n)], fontsize=7)
+    ax.set_xticks([])
     ax.set_yticks([])
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_xlabel("sample index (in a cell: its position in its rank's shard)")
-    what = "with set_epoch(epoch)" if set_epoch else "WITHOUT set_epoch: every epoch is epoch 0"
-    ax.set_title(f"DistributedSampler, {n} samples on {world_size} ranks, {what}", fontsize=10)
+    ax.set_xlabel("the epoch's order, first to last (in a cell: the sample index)")
+    what = "set_epoch(epoch)" if set_epoch else "WITHOUT set_epoch: every epoch is epoch 0"
+    tail = "drop_last=True" if drop_last else "drop_last=False (padding)"
+    ax.set_title(
+        f"DistributedSampler, {n} samples on {world_size} ranks, {tail}, {what}", fontsize=10
+    )
     ax.legend(
         fontsize=8,
         ncol=world_size + 1,
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.32),
+        bbox_to_anchor=(0.5, -0.25),
         frameon=False,
     )
     return _done(fig)
@@ -225,160 +256,6 @@ def eval_shards(n: int = 11, world_size: int = 3) -> Figure:
     return _done(fig)
 
 
-def my_ddp_timeline(layers: int = 4) -> Figure:
-    """What your ``MyDDP`` does: a broadcast at the start, a blocking all-reduce per gradient.
-
-    Args:
-        layers: layers of the model (backward meets them last-first).
-
-    Returns:
-        The figure: a time line of one training step on one rank, the construction-time
-        broadcast before it.
-
-    Example:
-        >>> len(my_ddp_timeline(3).axes)
-        1
-    """
-    fig, ax = plt.subplots(figsize=(10, 2.4))
-    ax.axis("off")
-    ax.set_xlim(-0.2, 2.9 + 2.2 * layers + 1.4)
-    ax.set_ylim(0.1, 2.15)
-    wrap = "MyDDP(model):\nbroadcast rank 0's\nweights + buffers"
-    _box(ax, 0, 1.1, 1.5, 0.7, wrap, COLORS[4], fontsize=8)
-    ax.text(0.75, 0.7, "once", ha="center", fontsize=8, color=GREY)
-    _box(ax, 1.8, 1.1, 1.0, 0.7, "forward", COLORS[0], fontsize=8)
-    x = 2.9
-    for k in range(layers, 0, -1):
-        _box(ax, x, 1.1, 1.0, 0.7, f"backward\nlayer {k}", COLORS[0], fontsize=8)
-        _arrow(ax, (x + 1.0, 1.1), (x + 1.05, 0.65))
-        _box(ax, x + 1.0, 0.2, 1.1, 0.5, f"all-reduce\ngrads of {k}", COLORS[1], fontsize=7)
-        ax.annotate(
-            "",
-            (x + 2.2, 1.45),
-            (x + 1.0, 1.45),
-            arrowprops={"arrowstyle": "-", "ls": ":", "color": GREY},
-        )
-        x += 2.2
-    _box(ax, x, 1.1, 1.2, 0.7, "optimizer\nstep", COLORS[2], fontsize=8)
-    ax.text(
-        0,
-        2.0,
-        "one rank, one step  (a hook runs as soon as a parameter's .grad is "
-        "complete; backward waits while it all-reduces)",
-        fontsize=9,
-    )
-    return _done(fig)
-
-
-def bucket_timeline(timelines: Mapping[str, Mapping]) -> Figure:
-    """Measured: when gradients became ready and when DDP handed each bucket to the network.
-
-    Args:
-        timelines: ``label -> {"end": seconds backward took, "ready": [seconds when each
-            parameter's gradient was ready], "buckets": [(seconds, megabytes), ...]}``, times
-            measured from the start of ``loss.backward()``.
-
-    Returns:
-        The figure: one row per label (e.g. a ``bucket_cap_mb``), the backward pass as a
-        grey bar scaled to its own duration (written at its end), ticks where gradients
-        became ready and a marker per bucket all-reduce (area ~ bucket size).
-
-    Example:
-        >>> fig = bucket_timeline({"1 MB": {"end": 1.0, "ready": [0.2, 0.9],
-        ...                                  "buckets": [(0.5, 0.3), (1.0, 0.7)]}})
-        >>> len(fig.axes)
-        1
-    """
-    labels = list(timelines)
-    fig, ax = plt.subplots(figsize=(9, 0.85 * len(labels) + 1.3))
-    for i, label in enumerate(labels):
-        t = timelines[label]
-        y = len(labels) - 1 - i
-        end = t["end"]
-        ax.add_patch(Rectangle((0, y - 0.18), 100, 0.36, facecolor=LIGHT, edgecolor=GREY))
-        ax.vlines(
-            [100 * s / end for s in t["ready"]],
-            y - 0.18,
-            y + 0.18,
-            color=COLORS[0],
-            lw=0.8,
-            label="a gradient is ready" if i == 0 else None,
-        )
-        for k, (when, mb) in enumerate(t["buckets"]):
-            ax.scatter(
-                [100 * when / end],
-                [y + 0.3],
-                s=40 + 400 * mb,
-                color=COLORS[1],
-                alpha=0.8,
-                edgecolor="black",
-                lw=0.5,
-                zorder=3,
-                label="a bucket's all-reduce starts" if i == 0 and k == 0 else None,
-            )
-        said = f" {len(t['buckets'])} bucket(s), backward {1e3 * end:.1f} ms"
-        ax.text(101, y, said, va="center", fontsize=8)
-    ax.set_yticks(range(len(labels)), list(reversed(labels)))
-    ax.set_ylim(-0.6, len(labels) - 0.2)
-    ax.set_xlim(0, 135)
-    ax.set_xticks(range(0, 101, 20))
-    ax.set_xlabel("% of loss.backward() elapsed (grey: the backward pass)")
-    ax.set_title("DDP buckets: all-reduces start during backward, not after it", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
-    return _done(fig)
-
-
-def overlap(layers: int = 4, comm: float = 0.6) -> Figure:
-    """Why overlap pays: one step without and with communication hidden behind backward.
-
-    Args:
-        layers: buckets (one per layer here), all-reduced in backward order.
-        comm: all-reduce time of one bucket, relative to one layer's backward.
-
-    Returns:
-        The figure: two time lines (compute row, network row) and the step time each needs.
-
-    Example:
-        >>> len(overlap(3).axes)
-        1
-    """
-    fig, ax = plt.subplots(figsize=(10, 2.6))
-    ax.axis("off")
-    rows = {"after backward (no overlap)": 1.6, "during backward (DDP buckets)": 0.0}
-    ends = {}
-    for title, y in rows.items():
-        ax.text(-0.1, y + 0.95, title, fontsize=9, weight="bold")
-        _box(ax, 0, y + 0.4, 1.0, 0.4, "forward", COLORS[0], fontsize=7)
-        t = 1.0
-        net = 0.0
-        for k in range(layers, 0, -1):
-            _box(ax, t, y + 0.4, 1.0, 0.4, f"bwd {k}", COLORS[0], fontsize=7)
-            t += 1.0
-            if title.startswith("during"):
-                start = max(t, net)
-                _box(ax, start, y, comm, 0.35, f"AR {k}", COLORS[1], fontsize=7)
-                net = start + comm
-        if title.startswith("after"):
-            net = t
-            for k in range(layers, 0, -1):
-                _box(ax, net, y, comm, 0.35, f"AR {k}", COLORS[1], fontsize=7)
-                net += comm
-        end = max(t, net)
-        _box(ax, end, y + 0.4, 0.8, 0.4, "step", COLORS[2], fontsize=7)
-        ends[title] = end + 0.8
-        ax.text(end + 0.95, y + 0.45, f"step time {end + 0.8:.1f}", fontsize=8, va="center")
-    ax.text(
-        -0.1,
-        -0.35,
-        "top row of each: computation; bottom row: the network (AR: all-reduce of one bucket)",
-        fontsize=8,
-        color=GREY,
-    )
-    ax.set_xlim(-0.2, max(ends.values()) + 2.2)
-    ax.set_ylim(-0.5, 2.7)
-    return _done(fig)
-
-
 def uneven_steps(steps: Sequence[int] = (6, 5)) -> Figure:
     """Uneven inputs: the extra step of one rank waits for partners that have finished.
 
@@ -443,42 +320,57 @@ def scaling(processes: Sequence[int], samples_per_s: Sequence[float], title: str
 
 
 def lr_schedules(
-    scaled_lr: Callable,
-    warmup_lr: Callable,
+    lr_at: Callable,
     base_lr: float,
     base_batch: int,
     batch_size: int,
     worlds: Sequence[int],
     warmup_steps: int,
     total_steps: int,
+    logged: Mapping[int, Sequence[tuple[int, float]]] | None = None,
 ) -> Figure:
-    """Your learning rate over the first steps for several world sizes: scaled, with warm-up.
+    """Your learning rate over the first steps for several world sizes, and the trainer's.
 
     Args:
-        scaled_lr: your ``scaled_lr(base_lr, base_batch, batch_size, world_size)``.
-        warmup_lr: your ``warmup_lr(step, base_lr, peak_lr, warmup_steps)``.
+        lr_at: your ``lr_at(step, base_lr, base_batch, batch_size, world_size, accum_steps,
+            warmup_steps)``.
         base_lr: the rate tuned for ``base_batch`` samples a step.
         base_batch: that global batch.
         batch_size: samples per process.
         worlds: process counts to draw.
-        warmup_steps: length of the ramp from ``base_lr`` to the scaled rate.
+        warmup_steps: length of the warm-up.
         total_steps: steps drawn.
+        logged: ``processes -> [(step, lr), ...]`` that the trainer logged (drawn as dots).
 
     Raises:
-        NotImplementedError: your functions are still the stubs.
+        NotImplementedError: your function is still the stub.
 
     Example:
-        >>> flat = lambda base_lr, *args: base_lr
-        >>> len(lr_schedules(flat, lambda s, b, p, w: p, 0.1, 32, 32, [1, 2], 10, 20).axes)
+        >>> flat = lambda step, base_lr, *args, **kw: base_lr
+        >>> len(lr_schedules(flat, 0.1, 32, 32, [1, 2], 10, 20).axes)
         1
     """
-    steps = range(total_steps + 1)
-    peaks = [scaled_lr(base_lr, base_batch, batch_size, w) for w in worlds]
-    curves = [[warmup_lr(s, base_lr, peak, warmup_steps) for s in steps] for peak in peaks]
+    steps = range(1, total_steps + 1)
     fig, ax = plt.subplots(figsize=(9, 3.0))
-    for k, (w, peak, curve) in enumerate(zip(worlds, peaks, curves, strict=True)):
-        label = f"{w} process(es): global batch {w * batch_size}, lr {peak:g}"
+    for k, w in enumerate(worlds):
+        curve = [
+            lr_at(s, base_lr, base_batch, batch_size, w, accum_steps=1, warmup_steps=warmup_steps)
+            for s in steps
+        ]
+        label = f"lr_at, {w} process(es): global batch {w * batch_size}"
         ax.plot(steps, curve, color=COLORS[k % len(COLORS)], label=label)
+    for k, (w, points) in enumerate(sorted((logged or {}).items())):
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.scatter(
+                xs,
+                ys,
+                s=14,
+                color="black",
+                marker="o" if k == 0 else "x",
+                zorder=3,
+                label=f"trainer's logged lr, {w} process(es)",
+            )
     ax.axvline(warmup_steps, color=GREY, ls="--", lw=1)
     ax.text(
         warmup_steps,
@@ -490,6 +382,6 @@ def lr_schedules(
     )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
-    ax.set_title("Your scaled_lr and warmup_lr: linear scaling with gradual warm-up", fontsize=10)
+    ax.set_title("Your lr_at: linear scaling with a warm-up, and the trainer's", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return _done(fig)

@@ -1,9 +1,15 @@
 """Typical wrong answers of lab 3, and what the grader must say about each.
 
-Each source replaces the whole solution cell. The first mistake of each exercise is the one
-the sample class's ``mistake`` student submits. ``FORGED_FILES`` are the result files the
-sample class's cheat leaves next to the notebook (a friend's solution files: the grader
-rebuilds every file from the submitted notebook's cells, so they change nothing).
+Each source replaces the whole solution cell, written as a student would (not as an edit of
+the solution: the sample class's ``mistake`` student must not look like a copy). The first
+mistake of each exercise is the one the sample class's ``mistake`` student submits; every
+one in ``MISTAKES`` fails its own exercise with its ``reason`` through the real grader
+(``tests/test_mistakes.py``). ``MORE_MISTAKES`` (distributed exercises, more of them than
+the grader's rounds should cost) fail theirs on real gloo groups in ``tests/test_lab03.py``,
+``REFUSED`` in one process there.
+``FORGED_FILES`` are the result files the sample class's cheat leaves next to the notebook
+(a friend's solution files: the grader rebuilds every file from the submitted notebook's
+cells, so they change nothing).
 """
 
 from __future__ import annotations
@@ -12,317 +18,199 @@ import json
 from pathlib import Path
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab03 import wrong_sources as src
 
 LAB = "lab03_ddp"
 
-
-def _edit(source: str, old: str, new: str) -> str:
-    """``source`` with ``old`` replaced (which must be there: a mistake that changes nothing
-    would pass)."""
-    if old not in source:
-        raise ValueError(f"{old!r} is not in the source to edit")
-    return source.replace(old, new)
-
-
-# --- exercise 2: a short, correct ddp_train.py that the mistakes edit -------------------------
-
-DDP_TRAIN = """%%writefile ddp_train.py
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
-
-
-def setup():
-    dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
-
-
-def teardown():
-    dist.destroy_process_group()
-
-
-def train(model, dataset, batch_size, lr, epochs, seed=0, out=None, log=print):
-    ddp_model = DDP(model)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(ddp_model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        if dist.get_rank() == 0:
-            log(f"epoch {epoch}: loss {loss.item():.4f}")
-    if dist.get_rank() == 0 and out is not None:
-        torch.save(model.state_dict(), out)
-"""
-
-# --- exercise 4: a correct MyDDP that the mistakes edit ---------------------------------------
-
-MY_DDP = """%%writefile my_ddp.py
-import torch
-import torch.distributed as dist
-from torch import nn
-
-
-class MyDDP(nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        world_size = dist.get_world_size()
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=0)
-
-        def average_gradient(param):
-            dist.all_reduce(param.grad)
-            param.grad /= world_size
-
-        for param in module.parameters():
-            param.register_post_accumulate_grad_hook(average_gradient)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-"""
-
-# --- exercise 5: the scaling rule and the warm-up, to combine with a wrong other half ------
-
-
-def _lr_source(scaled: str, warmup: str | None = None) -> str:
-    warmup = warmup or (
-        "    if step >= warmup_steps:\n"
-        "        return peak_lr\n"
-        "    return base_lr + (peak_lr - base_lr) * step / warmup_steps\n"
-    )
-    return (
-        "import math\n\n\n"
-        "def scaled_lr(base_lr, base_batch, batch_size, world_size, accum_steps=1):\n"
-        f"    return {scaled}\n\n\n"
-        "def warmup_lr(step, base_lr, peak_lr, warmup_steps):\n" + warmup
-    )
-
-
-LINEAR = "base_lr * batch_size * world_size * accum_steps / base_batch"
-
-
-def _shards(body: str) -> str:
-    return "import torch\n\n\ndef shard_indices(n, rank, world_size, epoch, seed=0):\n" + body
-
-
 MISTAKES = [
-    # --- exercise 1: shard_indices ---------------------------------------------------------
+    # --- exercise 1: MySampler --------------------------------------------------------------
     Mistake(
-        "ex1_shard_indices",
-        "no_epoch_in_the_seed",  # every epoch repeats the first one's shards (no set_epoch)
-        _shards(
-            "    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))\n"
-            "    order = order[: n - n % world_size]\n"
-            "    return order[rank::world_size].tolist()\n"
-        ),
+        "ex1_shard_sampler",
+        "no_epoch_in_the_seed",  # every epoch repeats the first one's order (no set_epoch)
+        src.sampler(seed="self.seed"),
         "epoch 1 reads exactly what epoch 0 read",
     ),
+    Mistake("ex1_shard_sampler", "global_rng", src.sampler(generator=None), "both read sample"),
     Mistake(
-        "ex1_shard_indices",
-        "global_rng",
-        _shards(
-            "    order = torch.randperm(n)[: n - n % world_size]\n"
-            "    return order[rank::world_size].tolist()\n"
-        ),
-        "both read sample",
+        "ex1_shard_sampler",
+        "always_drops",
+        src.sampler(length="self.n // self.world_size"),
+        "drop_last=False: every rank reads ceil",
     ),
     Mistake(
-        "ex1_shard_indices",
-        "no_shuffle",
-        _shards("    return list(range(rank, n - n % world_size, world_size))\n"),
-        "not shuffled",
+        "ex1_shard_sampler",
+        "pads_only_once",  # one sample on 3 ranks needs the order repeated twice
+        src.sampler(pad="once"),
+        "the shortfall padded",
     ),
     Mistake(
-        "ex1_shard_indices",
-        "padded",
-        _shards(
-            "    g = torch.Generator().manual_seed(seed + epoch)\n"
-            "    order = torch.randperm(n, generator=g).tolist()\n"
-            "    order += order[: -n % world_size]\n"
-            "    return order[rank::world_size]\n"
-        ),
-        "padded?",
+        "ex1_shard_sampler",
+        "len_of_the_data_set",
+        src.sampler(len_="self.n"),
+        "len(sampler) is",
     ),
     Mistake(
-        "ex1_shard_indices",
-        "seed_ignored",
-        _shards(
-            "    g = torch.Generator().manual_seed(epoch)\n"
-            "    k = n // world_size\n"
-            "    return torch.randperm(n, generator=g)[rank * k : (rank + 1) * k].tolist()\n"
-        ),
-        "another seed gave the same shards",
+        "ex1_shard_sampler",
+        "always_shuffles",
+        src.sampler(shuffle="True"),
+        "with shuffle=False the ranks take turns",
     ),
     Mistake(
-        "ex1_shard_indices",
-        "contiguous_blocks",  # every property holds, but not DistributedSampler's rule
-        _shards(
-            "    g = torch.Generator().manual_seed(seed + epoch)\n"
-            "    k = n // world_size\n"
-            "    return torch.randperm(n, generator=g)[rank * k : (rank + 1) * k].tolist()\n"
-        ),
-        "deal it out round-robin",
+        "ex1_shard_sampler",
+        "generator_made_once",  # the second pass over an epoch reads another order
+        src.sampler(generator="init"),
+        "two passes over epoch 2 gave different indices",
     ),
-    # --- exercise 2: ddp_train.py ------------------------------------------------------------
+    Mistake(
+        "ex1_shard_sampler",
+        "contiguous_blocks",  # lengths and shuffles right, but not DistributedSampler's rule
+        src.sampler(deal="blocks"),
+        "take turns along it",
+    ),
+    # --- exercise 2: ddp_train.py ---------------------------------------------------------------
     Mistake(
         "ex2_ddp_train",
         "no_distributed_sampler",  # every rank reads the same batches
-        _edit(_edit(DDP_TRAIN, "sampler=sampler, ", ""), "        sampler.set_epoch(epoch)\n", ""),
+        src.ddp_train(sampler=False),
         "every rank read the same samples",
     ),
     Mistake(
         "ex2_ddp_train",
-        "no_ddp_wrapper",  # each rank trains alone on its shard
-        _edit(DDP_TRAIN, "ddp_model = DDP(model)", "ddp_model = model"),
-        "trained alone",
+        "device_from_rank",  # right on one node, a missing GPU on the second
+        src.ddp_train(device_from="RANK"),
+        "RANK counts the processes of every node",
     ),
     Mistake(
         "ex2_ddp_train",
         "no_set_epoch",
-        _edit(DDP_TRAIN, "        sampler.set_epoch(epoch)\n", ""),
+        src.ddp_train(set_epoch=False),
         "set_epoch",
     ),
-    # --- exercise 3: evaluate.py -------------------------------------------------------------
+    # --- exercise 3: evaluate.py ----------------------------------------------------------------
     Mistake(
         "ex3_evaluate",
         "distributed_sampler",  # padded shards count some samples twice
-        """%%writefile evaluate.py
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
-
-
-def evaluate(model, dataset, batch_size=64):
-    loader = DataLoader(dataset, batch_size=batch_size,
-                        sampler=DistributedSampler(dataset, shuffle=False))
-    correct = total = 0
-    with torch.no_grad():
-        for x, y in loader:
-            correct += (model(x).argmax(1) == y).sum().item()
-            total += y.numel()
-    counts = torch.tensor([correct, total])
-    dist.all_reduce(counts)
-    return {"correct": int(counts[0]), "total": int(counts[1]),
-            "accuracy": int(counts[0]) / int(counts[1])}
-""",
+        src.EVAL_SAMPLER,
         "DistributedSampler pads",
     ),
-    Mistake(
-        "ex3_evaluate",
-        "mean_of_accuracies",  # shards of unequal size weighed the same
-        """%%writefile evaluate.py
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader
-
-
-def evaluate(model, dataset, batch_size=64):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    shard = list(range(rank, len(dataset), world_size))
-    correct = total = 0
-    with torch.no_grad():
-        for x, y in DataLoader(dataset, batch_size=batch_size, sampler=shard):
-            correct += (model(x).argmax(1) == y).sum().item()
-            total += y.numel()
-    stats = torch.tensor([correct, total, correct / total], dtype=torch.float64)
-    dist.all_reduce(stats)
-    accuracy = stats[2].item() / world_size
-    return {"correct": int(stats[0]), "total": int(stats[1]), "accuracy": accuracy}
-""",
-        "mean of the ranks' accuracies",
-    ),
-    # --- exercise 4: my_ddp.py ---------------------------------------------------------------
+    Mistake("ex3_evaluate", "mean_of_accuracies", src.EVAL_MEAN, "mean of the ranks' accuracies"),
+    # --- exercise 4: my_ddp.py ------------------------------------------------------------------
     Mistake(
         "ex4_my_ddp",
-        "no_broadcast",  # replicas that start apart stay apart
-        _edit(
-            MY_DDP,
-            "        with torch.no_grad():\n"
-            "            for tensor in [*module.parameters(), *module.buffers()]:\n"
-            "                dist.broadcast(tensor, src=0)\n",
-            "",
-        ),
-        "broadcast every parameter",
+        "waits_immediately",  # right gradients, but backward stands still for every message
+        src.my_ddp(hook="wait"),
+        "do not wait for an all-reduce right after starting it",
     ),
     Mistake(
         "ex4_my_ddp",
-        "sum_not_mean",
-        _edit(MY_DDP, "            param.grad /= world_size\n", ""),
+        "divides_before_the_sum_arrives",
+        src.my_ddp(finish="divide_first"),
         "SUM",
     ),
+    Mistake("ex4_my_ddp", "never_waits", src.my_ddp(finish="no_wait"), "holds its own gradient"),
+    # --- exercise 5: bucketed_ddp.py ------------------------------------------------------------
+    Mistake(
+        "ex5_bucketed_ddp",
+        "forward_order",  # unbalanced buckets: the first layers' bucket fills last
+        src.bucketed(order="forward"),
+        "buckets of the forward order",
+    ),
+    Mistake(
+        "ex5_bucketed_ddp",
+        "cap_ignored",  # one bucket: nothing overlaps
+        src.bucketed(cap="ignored"),
+        "close a bucket once it holds at least",
+    ),
+    Mistake(
+        "ex5_bucketed_ddp",
+        "four_bytes_an_element",
+        src.bucketed(size="4"),
+        "measure a tensor in bytes",
+    ),
+    # --- exercise 6: lr_at ----------------------------------------------------------------------
+    Mistake("ex6_lr_at", "square_root_rule", src.lr_at(scale="sqrt"), "square-root rule"),
+    Mistake("ex6_lr_at", "constant", src.lr_at(scale="none"), "must grow"),
+    Mistake("ex6_lr_at", "no_world_size", src.lr_at(scale="no_world"), "times world_size"),
+    Mistake("ex6_lr_at", "no_accum_steps", src.lr_at(scale="no_accum"), "times accum_steps"),
+    Mistake("ex6_lr_at", "upside_down", src.lr_at(scale="inverse"), "upside down"),
+    Mistake(
+        "ex6_lr_at",
+        "warmup_counts_from_zero",
+        src.lr_at(warmup="zero_based"),
+        "k / warmup_steps of the scaled rate",
+    ),
+    Mistake(
+        "ex6_lr_at",
+        "warmup_from_base_lr",
+        src.lr_at(warmup="from_base"),
+        "k / warmup_steps of the scaled rate",
+    ),
+    Mistake(
+        "ex6_lr_at",
+        "warmup_never_stops",
+        src.lr_at(warmup="no_end"),
+        "the rate keeps changing after the warm-up",
+    ),
+    Mistake(
+        "ex6_lr_at",
+        "warmup_divides_by_zero",
+        src.lr_at(warmup="no_zero_case"),
+        "raised ZeroDivisionError",
+    ),
+]
+
+#: More wrong answers of the distributed exercises (tested on real gloo groups).
+MORE_MISTAKES = [
+    Mistake(
+        "ex2_ddp_train",
+        "no_set_device",
+        src.ddp_train(set_device=False),
+        "never made cuda:",
+    ),
+    Mistake("ex2_ddp_train", "no_ddp_wrapper", src.ddp_train(ddp=False), "trained alone"),
+    Mistake("ex3_evaluate", "no_all_reduce", src.EVAL_LOCAL, "sum the counts over the ranks"),
+    Mistake(
+        "ex4_my_ddp",
+        "blocking_all_reduce",  # lab 1's synchronous hook
+        src.my_ddp(hook="blocking"),
+        "start each all-reduce with async_op=True",
+    ),
+    Mistake(
+        "ex4_my_ddp",
+        "everything_in_finish",
+        src.my_ddp(hook="none"),
+        "every all-reduce started after backward had ended",
+    ),
+    Mistake("ex4_my_ddp", "no_broadcast", src.my_ddp(broadcast=False), "broadcast every"),
+    Mistake(
+        "ex5_bucketed_ddp",
+        "bucket_per_gradient",
+        src.bucketed(cap="per_gradient"),
+        "one all-reduce per bucket, not one per gradient",
+    ),
+    Mistake(
+        "ex5_bucketed_ddp",
+        "waits_immediately",
+        src.bucketed(hook="wait"),
+        "do not wait for an all-reduce right after starting it",
+    ),
+    Mistake(
+        "ex5_bucketed_ddp",
+        "buckets_used_once",
+        src.bucketed(reset=False),
+        "get the buckets ready again",
+    ),
+    Mistake("ex5_bucketed_ddp", "sum_not_mean", src.bucketed(divide=False), "SUM"),
+]
+
+
+#: Wrong answers refused before any collective (an error on every rank): tested in one process.
+REFUSED = [
     Mistake(
         "ex4_my_ddp",
         "torch_ddp_inside",
-        """%%writefile my_ddp.py
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-
-class MyDDP(nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        self.module = DistributedDataParallel(module)
-
-    def forward(self, *a, **k):
-        return self.module(*a, **k)
-""",
+        src.TORCH_DDP_INSIDE,
         "must not use torch's DistributedDataParallel",
-    ),
-    # --- exercise 5: scaled_lr and warmup_lr -------------------------------------------------
-    Mistake(
-        "ex5_scaled_lr",
-        "square_root_rule",
-        _lr_source("base_lr * math.sqrt(batch_size * world_size * accum_steps / base_batch)"),
-        "square-root rule",
-    ),
-    Mistake("ex5_scaled_lr", "constant", _lr_source("base_lr"), "must grow"),
-    Mistake(
-        "ex5_scaled_lr",
-        "no_world_size",
-        _lr_source("base_lr * batch_size * accum_steps / base_batch"),
-        "times world_size",
-    ),
-    Mistake(
-        "ex5_scaled_lr",
-        "no_accum_steps",
-        _lr_source("base_lr * batch_size * world_size / base_batch"),
-        "times accum_steps",
-    ),
-    Mistake(
-        "ex5_scaled_lr",
-        "upside_down",
-        _lr_source("base_lr * base_batch / (batch_size * world_size * accum_steps)"),
-        "upside down",
-    ),
-    Mistake(
-        "ex5_scaled_lr",
-        "warmup_no_ramp",
-        _lr_source(LINEAR, "    return peak_lr\n"),
-        "starts at base_lr",
-    ),
-    Mistake(
-        "ex5_scaled_lr",
-        "warmup_from_zero",
-        _lr_source(LINEAR, "    return peak_lr * min(1, step / max(1, warmup_steps))\n"),
-        "starts at base_lr",
-    ),
-    Mistake(
-        "ex5_scaled_lr",
-        "warmup_never_stops",
-        _lr_source(
-            LINEAR,
-            "    if warmup_steps == 0:\n"
-            "        return peak_lr\n"
-            "    return base_lr + (peak_lr - base_lr) * step / warmup_steps\n",
-        ),
-        "stays at peak_lr",
     ),
 ]
 
@@ -334,8 +222,8 @@ def _solution_files() -> dict[str, str]:
     if not path.is_file():
         return files
     for cell in json.loads(path.read_text())["cells"]:
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        first, _, body = src.partition("\n")
+        text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        first, _, body = text.partition("\n")
         if first.startswith("%%writefile ") and cell["metadata"].get("nbgrader", {}).get(
             "solution"
         ):

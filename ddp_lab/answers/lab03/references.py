@@ -1,16 +1,19 @@
 """Lab 3's reference answers: what the solutions do, for the grader's exact checks and the
 tests. Not in the student kit.
 
-- ex1: :func:`shuffled_shards`, DistributedSampler's rule by hand;
+- ex1: :class:`MySampler`, DistributedSampler's rule by hand (and :func:`shuffled_shards`);
 - ex2: :func:`ddp_setup`, :func:`ddp_train`, :func:`ddp_teardown`, the DDP script's parts;
 - ex3: :func:`evaluate` with :class:`ShardSampler`, exact distributed evaluation by a split
   without padding (the runtime's ``ddp_lab.data.evaluate`` is built differently);
-- ex4: :class:`MyDDP`, a broadcast at construction and an averaging all-reduce per gradient;
-- ex5: :func:`expected_scaled_lr` and :func:`expected_warmup_lr`, the exact formulas.
+- ex4: :class:`MyDDP`, a broadcast at construction and an asynchronous all-reduce per
+  gradient, started by a hook, waited for and divided in ``finish()``;
+- ex5: :class:`BucketedDDP`, the same with buckets (:func:`bucket_params`);
+- ex6: :func:`expected_lr_at`, the linear scaling rule with the trainer's warm-up.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 
@@ -23,11 +26,44 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 # --- ex1 ------------------------------------------------------------------------------------
 
 
+class MySampler(Sampler[int]):
+    """``DistributedSampler(range(n), world_size, rank, shuffle, seed, drop_last)`` by hand.
+
+    Example:
+        >>> s = MySampler(7, rank=1, world_size=3, seed=0, drop_last=True)
+        >>> len(s), len(list(s))
+        (2, 2)
+    """
+
+    def __init__(self, n, rank, world_size, shuffle=True, seed=0, drop_last=False):
+        self.n, self.rank, self.world_size = n, rank, world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        if drop_last:
+            self.per_rank = n // world_size
+        else:
+            self.per_rank = math.ceil(n / world_size)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        total = self.per_rank * self.world_size
+        while len(order) < total:  # pad with the start of the order, again if needed
+            order += order[: total - len(order)]
+        return iter(order[:total][self.rank :: self.world_size])
+
+    def __len__(self):
+        return self.per_rank
+
+
 def shuffled_shards(n, world_size, epoch, seed) -> list[list[int]]:
     """What ``DistributedSampler(shuffle=True, seed=seed, drop_last=True)`` gives each rank.
-
-    A permutation of ``range(n)`` from a generator seeded with ``seed + epoch``, cut to a
-    multiple of ``world_size``, dealt out round-robin.
 
     Example:
         >>> [len(s) for s in shuffled_shards(7, 3, epoch=0, seed=0)]
@@ -135,48 +171,118 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64) -> dict:
 
 class MyDDP(nn.Module):
     """A minimal DistributedDataParallel: rank 0's parameters and buffers broadcast at
-    construction, each gradient all-reduced and divided by the world size by a hook."""
+    construction; a hook per trainable parameter starts an asynchronous all-reduce of its
+    gradient as soon as it is ready; ``finish()`` waits for them and divides."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
-        world_size = dist.get_world_size()
+        self.world_size = dist.get_world_size()
+        self.pending: list = []
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
-
-        def average(param: torch.Tensor) -> None:
-            dist.all_reduce(param.grad)
-            param.grad /= world_size
-
         for param in module.parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(average)
+                param.register_post_accumulate_grad_hook(self._start)
+
+    def _start(self, param: torch.Tensor) -> None:
+        self.pending.append((dist.all_reduce(param.grad, async_op=True), param))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def finish(self) -> None:
+        """Wait for every all-reduce of this backward pass; then average."""
+        for work, param in self.pending:
+            work.wait()
+            param.grad /= self.world_size
+        self.pending.clear()
 
 
 # --- ex5 ------------------------------------------------------------------------------------
 
 
-def expected_scaled_lr(base_lr, base_batch, batch_size, world_size, accum_steps=1) -> float:
-    """The linear scaling rule: the learning rate grows with the global batch.
+def bucket_params(params: list, cap_bytes: float) -> list[list]:
+    """Buckets of ``params`` (trainable, registration order) walked in reverse, each closed
+    as soon as it holds at least ``cap_bytes``.
 
     Example:
-        >>> expected_scaled_lr(0.1, 256, 32, 16)
-        0.2
+        >>> ps = [torch.zeros(100), torch.zeros(10), torch.zeros(50)]
+        >>> [[p.numel() for p in b] for b in bucket_params(ps, 300)]
+        [[50, 10, 100]]
     """
-    return base_lr * batch_size * world_size * accum_steps / base_batch
+    buckets, bucket, size = [], [], 0
+    for param in reversed(list(params)):
+        bucket.append(param)
+        size += param.numel() * param.element_size()
+        if size >= cap_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        buckets.append(bucket)
+    return buckets
 
 
-def expected_warmup_lr(step, base_lr, peak_lr, warmup_steps) -> float:
-    """Gradual warm-up: linear from ``base_lr`` (step 0) to ``peak_lr`` (step ``warmup_steps``).
+class BucketedDDP(nn.Module):
+    """:class:`MyDDP` with buckets: one asynchronous all-reduce per bucket of about
+    ``bucket_cap_mb`` MiB, started when the bucket's last gradient is ready."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = bucket_params(trainable, bucket_cap_mb * 2**20)
+        self.bucket_of = {}
+        for i, bucket in enumerate(self.buckets):
+            for param in bucket:
+                self.bucket_of[param] = i
+                param.register_post_accumulate_grad_hook(self._ready)
+        self.missing = [len(b) for b in self.buckets]
+        self.pending: list = []
+
+    def _ready(self, param: torch.Tensor) -> None:
+        i = self.bucket_of[param]
+        self.missing[i] -= 1
+        if self.missing[i] == 0:
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+            self.pending.append((dist.all_reduce(flat, async_op=True), flat, i))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish(self) -> None:
+        """Wait for every bucket's all-reduce; copy the averages back into the gradients."""
+        for work, flat, i in self.pending:
+            work.wait()
+            flat /= self.world_size
+            offset = 0
+            for param in self.buckets[i]:
+                n = param.numel()
+                param.grad.copy_(flat[offset : offset + n].view_as(param))
+                offset += n
+            self.missing[i] = len(self.buckets[i])
+        self.pending.clear()
+
+
+# --- ex6 ------------------------------------------------------------------------------------
+
+
+def expected_lr_at(
+    step, base_lr, base_batch, batch_size, world_size, accum_steps=1, warmup_steps=0
+) -> float:
+    """The linear scaling rule, warmed up like the trainer's ``--warmup-steps``: optimizer
+    step ``step`` (1, 2, ...) uses ``min(1, step / warmup_steps)`` of the scaled rate.
 
     Example:
-        >>> expected_warmup_lr(5, 0.1, 0.5, 10)
-        0.3
+        >>> expected_lr_at(5, 0.1, 256, 32, 16, warmup_steps=10)
+        0.1
     """
+    peak = base_lr * batch_size * world_size * accum_steps / base_batch
     if step >= warmup_steps:
-        return peak_lr
-    return base_lr + (peak_lr - base_lr) * step / warmup_steps
+        return peak
+    return peak * step / warmup_steps

@@ -1,17 +1,24 @@
-"""Checks of lab 3 (DistributedDataParallel): one visible check per test cell.
+"""Checks of lab 3 (DistributedDataParallel): six exercises, one visible check per test cell.
 
-Each exercise's contract is in its own file (``ex1_shard_indices`` ... ``ex5_scaled_lr``);
-the visible checks below run it through :func:`ddp_lab.checks.runner.visible` on small
-fixed inputs, the same way the grader runs it on inputs drawn at grading time:
+1. ``MySampler`` (kernel): DistributedSampler by hand, judged against torch's own;
+2. ``ddp_train.py`` (torchrun): setup / train / teardown, judged against one process on the
+   global batch and DistributedSampler, ``setup()`` also on a faked multi-node GPU job;
+3. ``evaluate.py`` (torchrun): exact distributed evaluation, judged against the count on
+   the whole set;
+4. ``my_ddp.py`` (torchrun): MyDDP with asynchronous all-reduces in hooks, judged against
+   DDP's weights, the all-reduces counted, and the overlap timed on a slowed link;
+5. ``bucketed_ddp.py`` (torchrun): the same with DDP's buckets, judged against torch's own
+   bucketing routine as well;
+6. ``lr_at`` (kernel): the learning rate for a larger global batch, warmed up like the
+   course trainer.
 
-- :func:`shard_indices` and :func:`learning_rates` call the student's functions in the
-  kernel;
-- :func:`ddp_train`, :func:`evaluate` and :func:`my_ddp` run the student's file on 2 ranks
-  of a torchrun job (``ddp_lab.checks.rank_worker``); under ``nbgrader autograde`` they only
-  say that the grader runs them outside the kernel.
+Each exercise's contract is in its own file; the functions below run it through
+:func:`ddp_lab.checks.runner.visible` on small fixed inputs, the same way the grader runs it
+on inputs drawn at grading time (the torchrun ones over 2 and 3 ranks in one job). Under
+``nbgrader autograde`` the torchrun checks only say that the grader runs them.
 
-:data:`GRADING` lets the notebook skip its torchrun demonstrations while the grader runs it,
-and :data:`TRAIN_CHECK` is the run of the notebook's DDP-equals-one-process demonstration.
+:data:`GRADING` lets the notebook skip its demonstrations while the grader runs it, and
+:data:`TRAIN_CHECK` is the run of the notebook's DDP-equals-one-process demonstration.
 """
 
 from __future__ import annotations
@@ -21,28 +28,30 @@ from pathlib import Path
 
 from ddp_lab.checks import runner
 from ddp_lab.checks.lab03 import (
-    ex1_shard_indices,
+    ex1_shard_sampler,
     ex2_ddp_train,
     ex3_evaluate,
     ex4_my_ddp,
-    ex5_scaled_lr,
+    ex5_bucketed_ddp,
+    ex6_lr_at,
 )
 
 LAB = "lab03_ddp"
 
 #: The exercises, in the order of their test cells.
 EXERCISES = [
-    ex1_shard_indices.EXERCISE,
+    ex1_shard_sampler.EXERCISE,
     ex2_ddp_train.EXERCISE,
     ex3_evaluate.EXERCISE,
     ex4_my_ddp.EXERCISE,
-    ex5_scaled_lr.EXERCISE,
+    ex5_bucketed_ddp.EXERCISE,
+    ex6_lr_at.EXERCISE,
 ]
 
 #: True while ``nbgrader autograde`` runs the notebook (the grader, not a student). The
-#: notebook skips its torchrun demonstrations then: they teach, they are not graded, and each
-#: would cost seconds of every student's grading time. (A constant, not a function: a cheat
-#: that replaces every function of this module cannot turn the demonstrations back on.)
+#: notebook skips its demonstrations then: they teach, they are not graded, and each would
+#: cost seconds of every student's grading time. (A constant, not a function: a cheat that
+#: replaces every function of this module cannot turn the demonstrations back on.)
 GRADING = runner.grading()
 
 #: The flags of the notebook's demonstration run of ``ddp_train.py`` (2 processes x 16
@@ -50,20 +59,20 @@ GRADING = runner.grading()
 TRAIN_CHECK = {"epochs": 2, "batch_size": 16, "lr": 0.05, "train_size": 200, "seed": 3}
 
 
-def shard_indices(fn: Callable) -> str:
-    """Check ``shard_indices(n, rank, world_size, epoch, seed)`` against torch's
-    ``DistributedSampler`` on three small cases.
+def shard_sampler(cls: type) -> str:
+    """Check ``MySampler`` against torch's ``DistributedSampler`` on four small cases, three
+    epochs each.
 
     Raises:
         CheckFailed: naming the case and what is wrong (overlap, padding, no reshuffle ...).
     """
-    return runner.visible(LAB, "test_ex1_shard_indices", functions={"shard_indices": fn})
+    return runner.visible(LAB, "test_ex1_shard_sampler", functions={"MySampler": cls})
 
 
 def ddp_train(path: str = "ddp_train.py") -> str:
-    """Run ``setup`` / ``train`` / ``teardown`` of ``path`` on 2 ranks; compare the samples
-    each rank read with ``DistributedSampler`` and the weights with one process trained on
-    the global batch.
+    """Run ``setup`` / ``train`` / ``teardown`` of ``path`` on 2 ranks for 3 epochs, then
+    ``setup()`` on a faked GPU node; compare the samples each rank read with
+    ``DistributedSampler`` and the weights with one process trained on the global batch.
 
     Raises:
         CheckFailed: the failing rank's error, or what differs and the likely cause.
@@ -72,8 +81,8 @@ def ddp_train(path: str = "ddp_train.py") -> str:
 
 
 def evaluate(path: str = "evaluate.py") -> str:
-    """Run ``evaluate`` from ``path`` on 2 ranks and a length not divisible by 2; compare
-    with the correct predictions counted on the whole set.
+    """Run ``evaluate`` from ``path`` on 2 ranks, on an odd number of samples and on one
+    sample; compare with the correct predictions counted on the whole set.
 
     Raises:
         CheckFailed: duplicates or missing samples, ranks that disagree, a wrong accuracy.
@@ -83,24 +92,30 @@ def evaluate(path: str = "evaluate.py") -> str:
 
 def my_ddp(path: str = "my_ddp.py") -> str:
     """Run ``MyDDP`` from ``path`` on 2 ranks that start from different weights; compare
-    with rank 0's weights, the big batch's gradient and plain SGD on the big batches (what
-    ``DistributedDataParallel`` gives).
+    with what ``DistributedDataParallel`` gives, count the all-reduces, and time a step on
+    a slowed link with and without overlap.
 
     Raises:
-        CheckFailed: no broadcast, gradients not averaged, weights that differ.
+        CheckFailed: no broadcast, gradients not averaged, no overlap.
     """
     return runner.visible(LAB, "test_ex4_my_ddp", folder=Path(path).parent)
 
 
-def learning_rates(scaled_lr: Callable, warmup_lr: Callable) -> str:
-    """Check the properties of ``scaled_lr`` (linear in the global batch) and ``warmup_lr``
-    (a straight ramp from ``base_lr`` to ``peak_lr``) on a few hand-picked cases.
+def bucketed_ddp(path: str = "bucketed_ddp.py") -> str:
+    """Run ``BucketedDDP`` from ``path`` on 2 ranks; compare with DDP's weights and buckets,
+    and time a step on a slowed link with and without overlap.
+
+    Raises:
+        CheckFailed: other buckets than DDP's rule gives, gradients not averaged, no overlap.
+    """
+    return runner.visible(LAB, "test_ex5_bucketed_ddp", folder=Path(path).parent)
+
+
+def lr_at(fn: Callable) -> str:
+    """Check ``lr_at`` on three hand-picked set-ups: the linear scaling rule after the
+    warm-up, the trainer's ramp during it.
 
     Raises:
         CheckFailed: with the call, the value it returned, and what was expected.
     """
-    return runner.visible(
-        LAB,
-        "test_ex5_scaled_lr",
-        functions={"scaled_lr": scaled_lr, "warmup_lr": warmup_lr},
-    )
+    return runner.visible(LAB, "test_ex6_lr_at", functions={"lr_at": fn})

@@ -8,9 +8,14 @@ notebook's ``single.py`` (the given starting point), run on batches chosen by th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from unittest import mock
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -119,3 +124,62 @@ def single_process_batches(n: int, batch_size: int, epochs: int, seed: int) -> l
         order = list(sampler)
         steps += [order[k : k + batch_size] for k in range(0, n - batch_size + 1, batch_size)]
     return steps
+
+
+@contextmanager
+def as_world(group) -> Iterator[None]:
+    """While the block runs, ``group`` is the default process group (``None``: no change).
+
+    A torchrun job of 3 ranks checks code on 2 ranks too: the checker makes a group of ranks
+    0 and 1 and, on those ranks, lets the student's code see it as *the* world (``dist.
+    get_world_size()``, collectives with ``group=None``, ``DistributedDataParallel``,
+    ``DistributedSampler``, ``dist.group.WORLD``). The student's code does not know the
+    job has a third rank, and no call of theirs can reach it: the rank outside waits on the
+    real world group, which no student collective can answer.
+    """
+    if group is None:
+        yield
+        return
+    world = c10d._world.default_pg
+    c10d._world.default_pg = group
+    try:
+        yield
+    finally:
+        c10d._world.default_pg = world
+
+
+def subgroups(sizes, world: int) -> dict[int, object]:
+    """``n -> process group of ranks 0 .. n-1`` for every ``n < world`` in ``sizes`` (every
+    rank of the job must call this, in the same order)."""
+    return {n: dist.new_group(list(range(n))) for n in sorted(set(sizes)) if n < world}
+
+
+def wait_for_everyone() -> None:
+    """A barrier of the whole job (the real world group), taken by the checker between two
+    runs: the ranks that sat out a smaller run wait here for the others."""
+    dist.barrier(group=c10d._world.default_pg)
+
+
+def per_run(case: dict, rank: int, world: int, one_run) -> list:
+    """``one_run(run, rank, ranks)`` for every run of ``case["runs"]`` this rank takes part
+    in (``None`` for the others), each over its own number of ranks ``run["ranks"]``: runs
+    over fewer ranks than the job's see a group of ranks ``0 .. n-1`` as their world
+    (:func:`as_world`, and ``WORLD_SIZE`` says ``n``); the whole job meets after each run."""
+    groups = subgroups([run["ranks"] for run in case["runs"]], world)
+    out = []
+    for run in case["runs"]:
+        n = run["ranks"]
+        if rank < n:
+            sizes = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)} if n < world else {}
+            with as_world(groups.get(n)), mock.patch.dict(os.environ, sizes):
+                out.append(one_run(run, rank, n))
+        else:
+            out.append(None)
+        wait_for_everyone()
+    return out
+
+
+def run_outputs(case: dict, ranks: list) -> list[tuple[dict, list]]:
+    """``(run, [rank 0's outputs, rank 1's, ...])`` for every run of a case, from the job's
+    ``[rank][run]`` outputs (the judge's view)."""
+    return [(run, [ranks[r][i] for r in range(run["ranks"])]) for i, run in enumerate(case["runs"])]

@@ -1,18 +1,25 @@
 """Exercise 2: ``ddp_train.py``'s ``setup`` / ``train`` / ``teardown`` on every rank.
 
-Each rank of a torchrun job loads the student's file, calls ``setup()`` (with the process
-group calls only recorded: the rank worker has joined the group already), trains a float64
-:class:`~ddp_lab.checks.lab03.common.TinyNet` on a :class:`RecordingDataset`, and calls
-``teardown()``. The judge compares
+One torchrun job of 3 ranks runs the student's file twice: on a group of ranks 0 and 1
+(which the student's code sees as its whole world; rank 2 waits) and on all 3 ranks. Each
+rank calls ``setup()`` (the process group calls only recorded: the rank worker has joined
+the group already; CUDA reported unavailable), trains a float64
+:class:`~ddp_lab.checks.lab03.common.TinyNet` for 3 epochs on a :class:`RecordingDataset`
+whose length is not divisible by the world size, and calls ``teardown()``. Then each rank
+calls ``setup()`` once more as a faked rank of a 2-node GPU job (``RANK`` 5 to 7,
+``LOCAL_RANK`` 1 to 3, CUDA reported available; :mod:`~ddp_lab.checks.lab03.fake_node`).
+The judge compares
 
 - the samples each rank read with torch's ``DistributedSampler(shuffle=True, seed=seed,
-  drop_last=True)`` after ``set_epoch(epoch)``, in full batches (the oracle);
+  drop_last=True)`` after ``set_epoch(epoch)``, in full batches, epoch after epoch (the
+  oracle);
 - every rank's final weights with one process trained on the global batch (``single.py``'s
   plain SGD loop on batches of ``world_size x batch_size``: the given starting point);
 
-and checks properties: ``init_process_group`` once with gloo on the CPU, ``setup()``'s
-return value, ranks that agree, rank 0 alone logging (once per epoch) and saving the plain
-model's ``state_dict``, ``destroy_process_group`` once.
+and checks properties: ``init_process_group`` once, with gloo and the CPU when CUDA is
+unavailable, NCCL and ``cuda:LOCAL_RANK`` (made the current device) on the faked GPU node;
+``setup()``'s return value; ranks that agree; rank 0 alone logging (once per epoch) and
+saving the plain model's ``state_dict``; ``destroy_process_group`` once.
 """
 
 from __future__ import annotations
@@ -28,25 +35,29 @@ from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed, max_abs_diff
 from ddp_lab.checks.lab03.common import (
     RecordingDataset,
+    per_run,
     random_dims,
     random_state,
+    run_outputs,
     same_state,
     sgd_on_batches,
     single_process_batches,
     state,
     tiny_net,
 )
+from ddp_lab.checks.lab03.fake_node import GPUS_PER_NODE, gpu_node, no_cuda, node_env
 from ddp_lab.checks.values import first, randint, uniform
 
 FILE = "ddp_train.py"
 #: Runtime modules the script may not use: the exercise is to write them.
 FORBID_MODULES = ("ddp_lab.dist", "ddp_lab.train")
+EPOCHS = 3
 
 
-def case(gen: torch.Generator, world: int) -> dict:
-    """One training job on ``world`` ranks, sized so that the typical mistakes show.
+def case(gen: torch.Generator, ranks: int) -> dict:
+    """One training run on ``ranks`` ranks, sized so that the typical mistakes show.
 
-    ``n = world * k + t`` with ``0 < t < world`` and ``k = steps * b + (b - 1)``:
+    ``n = ranks * k + t`` with ``0 < t < ranks`` and ``k = steps * b + (b - 1)``:
     ``DistributedSampler`` must drop ``t`` samples (padding gives every rank ``k + 1 =
     (steps + 1) * b``, one batch more), and each rank's shard of ``k`` ends with an
     incomplete batch of ``b - 1`` for the DataLoader to drop. Either mistake changes what
@@ -54,67 +65,65 @@ def case(gen: torch.Generator, world: int) -> dict:
     """
     dims = random_dims(gen)
     b = randint(gen, 2, 4)
-    steps = randint(gen, 4, 7)
+    steps = randint(gen, 3, 5)
     k = steps * b + b - 1
-    n = world * k + randint(gen, 1, world - 1)
+    n = ranks * k + randint(gen, 1, ranks - 1)
     return {
-        "world_size": world,
+        "ranks": ranks,
         "dims": dims,
         "init": random_state(dims, gen),
         "x": torch.randn(n, dims[0], generator=gen, dtype=torch.float64),
         "y": torch.randint(0, dims[2], (n,), generator=gen),
         "batch_size": b,
         "lr": uniform(gen, 0.1, 0.5),
-        "epochs": 2,
+        "epochs": EPOCHS,
         "seed": randint(gen, 1, 10**6 - 1),
     }
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """One job on 3 ranks (a torchrun job per case costs seconds of grading time)."""
-    return {"cases": [case(gen, 3)]}
+    """One torchrun job of 3 ranks: a run on 2 of them, then one on all 3."""
+    return {"cases": [{"world_size": 3, "runs": [case(gen, 2), case(gen, 3)]}]}
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
-    """One job on 2 ranks."""
-    return {"cases": [case(gen, 2)]}
+    """One job of 2 ranks, one run."""
+    return {"cases": [{"world_size": 2, "runs": [case(gen, 2)]}]}
 
 
-def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
-    """Run the student's ``setup``, ``train`` and ``teardown`` on this rank."""
-    path = Path(FILE)
-    if path.is_file():
-        guards.refuse_mentions({FILE: path.read_text()}, FORBID_MODULES)
+def _setup_result(got) -> list:
+    try:
+        r, w, device = got
+        return [int(r), int(w), str(device)]
+    except (TypeError, ValueError):
+        return [repr(got)[:200]]
+
+
+def _one_run(mod: dict, run: dict, rank: int, ranks: int) -> dict:
     calls: list = []
     logged: list = []
     with tempfile.TemporaryDirectory(prefix="ddp_lab-ex2-") as tmp:
         out = Path(tmp) / "model.pt"
-        with guards.recorded_process_group(calls):
-            mod = guards.load_student_file(FILE)
+        with guards.recorded_process_group(calls), no_cuda():
             got = mod["setup"]()
             calls.append(("setup", ""))
-            model = tiny_net(case["dims"], case["init"])
-            data = RecordingDataset(case["x"], case["y"])
+            model = tiny_net(run["dims"], run["init"])
+            data = RecordingDataset(run["x"], run["y"])
             mod["train"](
                 model,
                 data,
-                case["batch_size"],
-                case["lr"],
-                case["epochs"],
-                seed=case["seed"],
+                run["batch_size"],
+                run["lr"],
+                run["epochs"],
+                seed=run["seed"],
                 out=str(out),
                 log=lambda *a, **k: logged.append(" ".join(str(v) for v in a)),
             )
             calls.append(("train", ""))
             saved = torch.load(out, weights_only=True) if out.is_file() else None
             mod["teardown"]()
-    try:
-        r, w, device = got
-        setup = [int(r), int(w), str(device)]
-    except (TypeError, ValueError):
-        setup = [repr(got)[:200]]
     return {
-        "setup": setup,
+        "setup": _setup_result(got),
         "calls": [list(c) for c in calls],
         "reads": torch.tensor(data.reads, dtype=torch.long),
         "logged": logged,
@@ -123,10 +132,29 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
     }
 
 
+def _gpu_probe(mod: dict, rank: int) -> dict:
+    """``setup()`` as a faked rank of a multi-node GPU job."""
+    env, calls = node_env(rank), []
+    with gpu_node(env, calls):
+        got = mod["setup"]()
+    return {"env": env, "calls": calls, "setup": _setup_result(got)}
+
+
+def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
+    """Every run of the case this rank takes part in, then the faked GPU node."""
+    path = Path(FILE)
+    if path.is_file():
+        guards.refuse_mentions({FILE: path.read_text()}, FORBID_MODULES)
+    with guards.recorded_process_group([]), no_cuda():
+        mod = guards.load_student_file(FILE)
+    runs = per_run(case, rank, world, lambda run, r, n: _one_run(mod, run, r, n))
+    return {"runs": runs, "gpu": _gpu_probe(mod, rank)}
+
+
 def expected_reads(case: dict) -> list[list[int]]:
     """What each rank must read: its ``DistributedSampler`` shard every epoch, in full
     batches (the oracle)."""
-    n, w, b = len(case["y"]), case["world_size"], case["batch_size"]
+    n, w, b = len(case["y"]), case["ranks"], case["batch_size"]
     reads = []
     for rank in range(w):
         sampler = DistributedSampler(
@@ -143,7 +171,7 @@ def expected_reads(case: dict) -> list[list[int]]:
 
 def where(case: dict) -> str:
     """``"3 ranks, 95 samples, batch_size 4"``."""
-    return f"{case['world_size']} ranks, {len(case['y'])} samples, batch_size {case['batch_size']}"
+    return f"{case['ranks']} ranks, {len(case['y'])} samples, batch_size {case['batch_size']}"
 
 
 def read_problem(case: dict, reads: list[list[int]]) -> str | None:
@@ -151,7 +179,7 @@ def read_problem(case: dict, reads: list[list[int]]) -> str | None:
     want = expected_reads(case)
     if reads == want:
         return None
-    n, w, b, epochs = len(case["y"]), case["world_size"], case["batch_size"], case["epochs"]
+    n, w, b, epochs = len(case["y"]), case["ranks"], case["batch_size"], case["epochs"]
     at = where(case)
     if any(len(r) == 0 for r in reads):
         r = next(i for i, x in enumerate(reads) if not x)
@@ -193,9 +221,23 @@ def read_problem(case: dict, reads: list[list[int]]) -> str | None:
     )
 
 
+#: (id(case), lr_factor) -> (case, weights): a judge asks for the oracle of a case once per
+#: check; the case is kept alive with it, so its id is not reused.
+_SINGLE: dict[tuple, tuple] = {}
+
+
 def single_process(case: dict, lr_factor: float = 1.0) -> dict:
     """The weights of one process trained on the global batch (``single.py``'s loop)."""
-    w, b = case["world_size"], case["batch_size"]
+    key = (id(case), lr_factor)
+    if key not in _SINGLE:
+        if len(_SINGLE) > 8:
+            _SINGLE.clear()
+        _SINGLE[key] = (case, _single_process(case, lr_factor))
+    return _SINGLE[key][1]
+
+
+def _single_process(case: dict, lr_factor: float) -> dict:
+    w, b = case["ranks"], case["batch_size"]
     batches = single_process_batches(len(case["y"]), w * b, case["epochs"], case["seed"])
     model = tiny_net(case["dims"], case["init"])
     data = RecordingDataset(case["x"], case["y"])
@@ -203,7 +245,7 @@ def single_process(case: dict, lr_factor: float = 1.0) -> dict:
 
 
 def setup_problem(outs: list[dict], w: int) -> str | None:
-    """What is wrong with ``setup()`` on some rank (backend, return value, device), or None."""
+    """What is wrong with ``setup()`` on some rank when CUDA is unavailable, or None."""
     for r, o in enumerate(outs):
         inits = [c[1] for c in o["calls"] if c[0] == "init"]
         if len(inits) != 1:
@@ -211,9 +253,9 @@ def setup_problem(outs: list[dict], w: int) -> str | None:
                 f"rank {r}: setup() called dist.init_process_group {len(inits)} times; call it "
                 "exactly once"
             )
-        if "nccl" in inits[0] and "gloo" not in inits[0]:
+        if "nccl" in inits[0] and "cpu:gloo" not in inits[0]:
             return (
-                f"rank {r}: setup() asked for the NCCL backend on a machine without GPUs: "
+                f"rank {r}: setup() asked for the NCCL backend where CUDA is not available: "
                 "use gloo on the CPU (nccl only when torch.cuda.is_available())"
             )
         if len(o["setup"]) != 3:
@@ -226,15 +268,54 @@ def setup_problem(outs: list[dict], w: int) -> str | None:
             )
         if not o["setup"][2].startswith("cpu"):
             return (
-                f"rank {r}: setup() chose device {o['setup'][2]!r} on a machine without GPUs; "
-                "expected the CPU (cuda:LOCAL_RANK only when CUDA is available)"
+                f"rank {r}: setup() chose device {o['setup'][2]!r} where CUDA is not "
+                "available; expected the CPU (cuda:LOCAL_RANK only when CUDA is available)"
             )
+    return None
+
+
+def gpu_problem(probe: dict, rank: int) -> str | None:
+    """What is wrong with ``setup()`` on a faked rank of a multi-node GPU job, or None."""
+    env = probe["env"]
+    local, global_rank = int(env["LOCAL_RANK"]), int(env["RANK"])
+    at = (
+        f"on a faked GPU node (checker rank {rank}: RANK={global_rank}, LOCAL_RANK={local}, "
+        f"WORLD_SIZE={env['WORLD_SIZE']}, {GPUS_PER_NODE} GPUs per node, CUDA available)"
+    )
+    inits = [c for c in probe["calls"] if c[0] == "init"]
+    if len(inits) != 1:
+        return f"{at}: setup() called dist.init_process_group {len(inits)} times; call it once"
+    backend = inits[0][1]
+    if backend and "nccl" not in backend:
+        return f"{at}: setup() chose the {backend!r} backend; with GPUs use NCCL"
+    if len(probe["setup"]) != 3:
+        return f"{at}: setup() must return (rank, world_size, device), got {probe['setup'][0]}"
+    got_rank, got_world, device = probe["setup"]
+    if [got_rank, got_world] != [global_rank, int(env["WORLD_SIZE"])]:
+        return (
+            f"{at}: setup() returned rank {got_rank} and world size {got_world}; expected "
+            f"{global_rank} and {env['WORLD_SIZE']} (dist.get_rank(), dist.get_world_size())"
+        )
+    if device == f"cuda:{global_rank}":
+        return (
+            f"{at}: setup() chose device {device!r}, a GPU this node does not have: RANK "
+            "counts the processes of every node; the GPU of this node is LOCAL_RANK"
+        )
+    if device != f"cuda:{local}":
+        return f"{at}: setup() chose device {device!r}; expected cuda:LOCAL_RANK = cuda:{local}"
+    made_current = [c[1] for c in probe["calls"] if c[0] == "set_device"] + [inits[0][2]]
+    if local not in made_current:
+        return (
+            f"{at}: setup() never made cuda:{local} this process's device: call "
+            "torch.cuda.set_device(device) before init_process_group, or every process of "
+            "the node starts NCCL on GPU 0"
+        )
     return None
 
 
 def weights_problem(case: dict, outs: list[dict]) -> str | None:
     """Whether every rank ends with the weights of one process on the global batch."""
-    w, b = case["world_size"], case["batch_size"]
+    w, b = case["ranks"], case["batch_size"]
     expected = single_process(case)
     finals = [o["final"] for o in outs]
     bad = [r for r in range(w) if not same_state(finals[r], expected)]
@@ -257,7 +338,7 @@ def weights_problem(case: dict, outs: list[dict]) -> str | None:
 
 def rank0_problem(case: dict, outs: list[dict]) -> str | None:
     """Logging and saving on rank 0 alone, and ``teardown()`` once on every rank."""
-    w, at = case["world_size"], where(case)
+    w, at = case["ranks"], where(case)
     logs = [len(o["logged"]) for o in outs]
     if any(logs[1:]):
         return (
@@ -295,9 +376,9 @@ def rank0_problem(case: dict, outs: list[dict]) -> str | None:
 
 
 def problem(case: dict, outs: list[dict]) -> str | None:
-    """What is wrong with ``setup`` / ``train`` / ``teardown`` on every rank, or None."""
-    w = case["world_size"]
-    if len(outs) != w:
+    """What is wrong with ``setup`` / ``train`` / ``teardown`` on every rank of a run, or None."""
+    w = case["ranks"]
+    if len(outs) != w or any(o is None for o in outs):
         return f"expected the results of {w} ranks, got {len(outs)}"
     return (
         setup_problem(outs, w)
@@ -307,16 +388,32 @@ def problem(case: dict, outs: list[dict]) -> str | None:
     )
 
 
+def job_problem(job: dict, ranks: list) -> str | None:
+    """The first thing wrong in a torchrun job: its runs in order, then the faked GPU node."""
+    if len(ranks) != job["world_size"]:
+        return f"expected the results of {job['world_size']} ranks, got {len(ranks)}"
+    for run, outs in run_outputs(job, [o["runs"] for o in ranks]):
+        if why := problem(run, outs):
+            return why
+    for r, o in enumerate(ranks):
+        if why := gpu_problem(o["gpu"], r):
+            return why
+    return None
+
+
 def judge(inputs: dict, outputs: dict) -> str:
-    """Reads equal ``DistributedSampler``'s, weights equal one process on the global batch."""
-    for c, outs in zip(inputs["cases"], outputs["cases"], strict=True):
-        if why := problem(c, outs):
+    """Reads equal ``DistributedSampler``'s, weights equal one process on the global batch,
+    the right backend and device with and without GPUs."""
+    for job, ranks in zip(inputs["cases"], outputs["cases"], strict=True):
+        if why := job_problem(job, ranks):
             raise CheckFailed(why)
-    runs = " and ".join(f"{c['world_size']} ranks x {c['batch_size']}" for c in inputs["cases"])
+    runs = [run for job in inputs["cases"] for run in job["runs"]]
+    said = " and ".join(f"{r['ranks']} ranks x {r['batch_size']}" for r in runs)
     return (
-        f"DDP on {runs} samples ends with the weights of one process on the global batch; "
-        "each rank read its DistributedSampler shard, reshuffled every epoch; rank 0 alone "
-        "logged and saved"
+        f"DDP on {said} samples ends with the weights of one process on the global batch; "
+        f"each rank read its DistributedSampler shard, reshuffled in each of {EPOCHS} epochs; "
+        "rank 0 alone logged and saved; gloo on the CPU without CUDA, NCCL on cuda:LOCAL_RANK "
+        "on a faked multi-node GPU job"
     )
 
 
@@ -328,7 +425,7 @@ EXERCISE = Exercise(
     judge,
     run_rank=run_rank,
     forbid_modules=FORBID_MODULES,
-    timeout=90,
+    timeout=120,
     visible_inputs=visible_inputs,
     files=(FILE,),
 )

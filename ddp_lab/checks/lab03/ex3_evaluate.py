@@ -1,11 +1,14 @@
 """Exercise 3: ``evaluate(model, dataset, batch_size)`` in ``evaluate.py``, on every rank.
 
-The model is a float64 ``nn.Linear`` and the labels are drawn so that about half of its
-predictions are right; the length is not divisible by the world size. Oracle: the correct
-predictions counted on the whole set in one go (``argmax`` of ``x @ W.T + b`` against
-``y``). Properties: every sample is scored exactly once over all ranks (each rank's reads
-are recorded), the ranks' parts differ in size by at most one, and every rank returns the
-same ``correct``, ``total`` and ``accuracy = correct / total``.
+The model is an ``nn.Linear`` (float64 or float32) and the labels are drawn so that about
+half of its predictions are right. One torchrun job of 3 ranks runs four evaluations: on a
+group of ranks 0 and 1 (which the student's code sees as its whole world; rank 2 waits) a
+data set of odd length and one of a single sample (rank 1 has nothing to score), then on
+all 3 ranks one whose length is not divisible by 3 and one of two samples (rank 2 has
+nothing). Oracle: the correct predictions counted on the whole set in one go (``argmax`` of
+``x @ W.T + b`` against ``y``). Properties: every sample is scored exactly once over all
+ranks (each rank's reads are recorded), the ranks' parts differ in size by at most one, and
+every rank returns the same ``correct``, ``total`` and ``accuracy = correct / total``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch import nn
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab03.common import RecordingDataset
+from ddp_lab.checks.lab03.common import RecordingDataset, per_run, run_outputs
 from ddp_lab.checks.values import first, number, randint
 
 FILE = "evaluate.py"
@@ -27,12 +30,12 @@ FILE = "evaluate.py"
 FORBID_MODULES = ("ddp_lab.data", "ddp_lab.dist")
 
 
-def case(gen: torch.Generator, world: int) -> dict:
-    """A linear classifier and a data set of ``world * k + t`` samples (``0 < t < world``)
-    on which about half of its predictions are right."""
+def case(gen: torch.Generator, ranks: int, n: int | None = None, dtype=torch.float64) -> dict:
+    """A linear classifier and a data set of ``n`` samples (default: ``ranks * k + t``,
+    ``0 < t < ranks``) on which about half of its predictions are right."""
     d, c = randint(gen, 3, 6), randint(gen, 3, 5)
-    k = randint(gen, 12, 24)
-    n = world * k + randint(gen, 1, world - 1)  # not divisible by world
+    if n is None:
+        n = ranks * randint(gen, 8, 16) + randint(gen, 1, ranks - 1)  # not divisible
     weight = torch.randn(c, d, generator=gen, dtype=torch.float64)
     bias = torch.randn(c, generator=gen, dtype=torch.float64)
     x = torch.randn(n, d, generator=gen, dtype=torch.float64)
@@ -40,29 +43,37 @@ def case(gen: torch.Generator, world: int) -> dict:
     right = torch.rand(n, generator=gen) < 0.5
     wrong = (pred + torch.randint(1, c, (n,), generator=gen)) % c
     return {
-        "world_size": world,
-        "weight": weight,
-        "bias": bias,
-        "x": x,
+        "ranks": ranks,
+        "weight": weight.to(dtype),
+        "bias": bias.to(dtype),
+        "x": x.to(dtype),
         "y": torch.where(right, pred, wrong),
         "batch_size": randint(gen, 4, 9),
     }
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """One job on 2 ranks (shards of unequal size)."""
-    return {"cases": [case(gen, 2)]}
+    """One job of 3 ranks: an odd length and one sample on 2 ranks, a length not divisible by
+    3 and two samples on 3 ranks (float32 and float64)."""
+    runs = [
+        case(gen, 2, dtype=torch.float32),
+        case(gen, 2, n=1),
+        case(gen, 3),
+        case(gen, 3, n=2, dtype=torch.float32),
+    ]
+    return {"cases": [{"world_size": 3, "runs": runs}]}
 
 
-def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
-    """Call the student's ``evaluate`` on this rank; record which samples it read."""
-    if Path(FILE).is_file():
-        guards.refuse_mentions({FILE: Path(FILE).read_text()}, FORBID_MODULES)
-    mod = guards.load_student_file(FILE)
-    model = nn.Linear(case["weight"].shape[1], case["weight"].shape[0]).double()
-    model.load_state_dict({"weight": case["weight"], "bias": case["bias"]})
-    data = RecordingDataset(case["x"], case["y"])
-    got = mod["evaluate"](model, data, batch_size=case["batch_size"])
+def visible_inputs(gen: torch.Generator) -> dict:
+    """One job of 2 ranks: an odd length, then one sample."""
+    return {"cases": [{"world_size": 2, "runs": [case(gen, 2), case(gen, 2, n=1)]}]}
+
+
+def _one_run(mod: dict, run: dict, rank: int, ranks: int) -> dict:
+    model = nn.Linear(run["weight"].shape[1], run["weight"].shape[0]).to(run["weight"].dtype)
+    model.load_state_dict({"weight": run["weight"], "bias": run["bias"]})
+    data = RecordingDataset(run["x"], run["y"])
+    got = mod["evaluate"](model, data, batch_size=run["batch_size"])
     if not isinstance(got, dict):
         raise TypeError(f"evaluate must return a dict, got {type(got).__name__}")
     return {
@@ -73,6 +84,15 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
     }
 
 
+def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
+    """Call the student's ``evaluate`` on this rank, once per run it takes part in; record
+    which samples it read."""
+    if Path(FILE).is_file():
+        guards.refuse_mentions({FILE: Path(FILE).read_text()}, FORBID_MODULES)
+    mod = guards.load_student_file(FILE)
+    return per_run(case, rank, world, lambda run, r, n: _one_run(mod, run, r, n))
+
+
 def _fmt(result) -> str:
     c, t, a = result
     return f"(correct {c:g}, total {t:g}, accuracy {a:.4f})"
@@ -80,11 +100,11 @@ def _fmt(result) -> str:
 
 def problem(case: dict, outs: list[dict]) -> str | None:
     """What is wrong with ``evaluate`` on every rank, or None."""
-    w, n = case["world_size"], len(case["y"])
-    if len(outs) != w:
+    w, n = case["ranks"], len(case["y"])
+    if len(outs) != w or any(o is None for o in outs):
         return f"expected the results of {w} ranks, got {len(outs)}"
     where = f"{n} samples on {w} ranks"
-    pred = (case["x"] @ case["weight"].T + case["bias"]).argmax(1)
+    pred = (case["x"].double() @ case["weight"].double().T + case["bias"].double()).argmax(1)
     correct = int((pred == case["y"]).sum())
     reads = [o["reads"].tolist() for o in outs]
     owner: dict[int, int] = {}
@@ -134,15 +154,19 @@ def problem(case: dict, outs: list[dict]) -> str | None:
 
 def judge(inputs: dict, outputs: dict) -> str:
     """Every sample scored once; the exact count and accuracy on every rank."""
-    for c, outs in zip(inputs["cases"], outputs["cases"], strict=True):
-        if why := problem(c, outs):
-            raise CheckFailed(why)
-    c = inputs["cases"][0]
-    n, w = len(c["y"]), c["world_size"]
+    said = []
+    for job, ranks in zip(inputs["cases"], outputs["cases"], strict=True):
+        if len(ranks) != job["world_size"]:
+            raise CheckFailed(
+                f"expected the results of {job['world_size']} ranks, got {len(ranks)}"
+            )
+        for run, outs in run_outputs(job, ranks):
+            if why := problem(run, outs):
+                raise CheckFailed(why)
+            said.append(f"{len(run['y'])} on {run['ranks']}")
     return (
-        f"every one of {n} samples scored exactly once on {w} ranks (parts of "
-        f"{', '.join(str(len(o['reads'])) for o in outputs['cases'][0])}); the exact count and "
-        "accuracy on every rank"
+        f"every sample scored exactly once, the exact count and accuracy on every rank "
+        f"({', '.join(said)} ranks, ranks with nothing to score among them)"
     )
 
 
@@ -155,5 +179,6 @@ EXERCISE = Exercise(
     run_rank=run_rank,
     forbid_modules=FORBID_MODULES,
     timeout=60,
+    visible_inputs=visible_inputs,
     files=(FILE,),
 )

@@ -1,190 +1,163 @@
-"""Exercise 4: ``MyDDP`` in ``my_ddp.py``, a minimal DistributedDataParallel.
+"""Exercise 4: ``MyDDP`` in ``my_ddp.py``, a minimal DistributedDataParallel whose gradient
+all-reduces run while backward goes on.
 
-Every rank builds a float64 :class:`~ddp_lab.checks.lab03.common.TinyNet` from its *own*
-random weights, wraps it in the student's ``MyDDP`` (torch's ``DistributedDataParallel``
-refused meanwhile) and takes a few SGD steps on its own batches. Oracles, computed in the
-judge:
+``MyDDP(model)`` broadcasts rank 0's parameters and buffers; a hook on every trainable
+parameter starts ``dist.all_reduce(param.grad, async_op=True)`` as soon as the gradient is
+ready; ``finish()``, called after ``loss.backward()``, waits for them and divides by the
+world size. How it is trained and judged: :mod:`~ddp_lab.checks.lab03.own_ddp`.
 
-- after wrapping, every rank holds rank 0's parameters *and* buffers (what a broadcast
-  from rank 0 gives, known by construction);
-- after the first backward, every rank's gradient is the gradient of the mean loss over
-  the *big batch* (all ranks' first batches concatenated), by autograd at rank 0's weights;
-- after the last step, every rank holds the weights of plain SGD on the big batches, which
-  is what ``DistributedDataParallel`` gives.
+Case set, in one torchrun job of 3 ranks: a float64 run on a group of ranks 0 and 1 (which
+the student's code sees as its whole world; rank 2 waits), a float64 run on all 3 ranks,
+and a timing run on all 3. Judged: rank 0's weights after wrapping, one all-reduce per
+trainable parameter and step (counted by the checker's ``dist.all_reduce``), the big
+batch's gradient after the first ``finish()``, the weights of DDP after 3 steps, and, on a
+slowed link, a step measurably faster than the same code with every all-reduce blocking.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.failure import CheckFailed, max_abs_diff
-from ddp_lab.checks.lab03.common import random_dims, random_state, same_state, state, tiny_net
-from ddp_lab.checks.values import randint, uniform
+from ddp_lab.checks.failure import CheckFailed
+from ddp_lab.checks.lab03 import own_ddp
+from ddp_lab.checks.lab03.common import per_run, run_outputs
+from ddp_lab.checks.lab03.network import SlowNetwork
 
 FILE = "my_ddp.py"
 NO_TORCH_DDP = (
-    "MyDDP must not use torch's DistributedDataParallel: broadcast the parameters and "
-    "all-reduce the gradients yourself"
+    "your wrapper must not use torch's DistributedDataParallel: broadcast the parameters "
+    "and all-reduce the gradients yourself"
 )
-
-
-def case(gen: torch.Generator, world: int, steps: int = 3) -> dict:
-    """``world`` ranks that start from different weights, ``steps`` batches each."""
-    dims = random_dims(gen)
-    d, c = dims[0], dims[2]
-    b = randint(gen, 3, 6)
-    return {
-        "world_size": world,
-        "dims": dims,
-        "inits": [random_state(dims, gen) for _ in range(world)],
-        "xs": [torch.randn(steps, b, d, generator=gen, dtype=torch.float64) for _ in range(world)],
-        "ys": [torch.randint(0, c, (steps, b), generator=gen) for _ in range(world)],
-        "lr": uniform(gen, 0.1, 0.5),
-    }
+#: Collectives a wrapper has no use for (the checker counts dist.all_reduce calls).
+OTHERS = tuple(c for c in guards.COLLECTIVES if c not in ("all_reduce", "broadcast"))
+WHY_NOT = "use dist.all_reduce for the gradients (and dist.broadcast in __init__)"
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """One job on 3 ranks."""
-    return {"cases": [case(gen, 3)]}
+    """One job of 3 ranks: float64 runs on 2 and 3 ranks, then a timing run on 3."""
+    runs = [own_ddp.run_spec(gen, 2), own_ddp.run_spec(gen, 3), {"ranks": 3, **own_ddp.TIMING}]
+    return {"cases": [{"world_size": 3, "runs": runs}]}
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
-    """One job on 2 ranks."""
-    return {"cases": [case(gen, 2)]}
+    """One job of 2 ranks: a float64 run and a timing run."""
+    runs = [own_ddp.run_spec(gen, 2), {"ranks": 2, **own_ddp.TIMING}]
+    return {"cases": [{"world_size": 2, "runs": runs}]}
 
 
-def _train(wrapped: nn.Module, model: nn.Module, case: dict, rank: int) -> dict:
-    """SGD steps through ``wrapped`` on this rank's batches; the first step's gradients."""
-    opt = torch.optim.SGD(wrapped.parameters(), lr=case["lr"])
-    grads0: dict = {}
-    for step, (x, y) in enumerate(zip(case["xs"][rank], case["ys"][rank], strict=True)):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(wrapped(x), y)
-        loss.backward()
-        if step == 0:
-            grads0 = {
-                k: (p.grad.detach().clone() if p.grad is not None else torch.full_like(p, math.nan))
-                for k, p in model.named_parameters()
-            }
-        opt.step()
-    return grads0
+def load(file: str, name: str, net: SlowNetwork):
+    """The student's class from ``file``, loaded with the checker's network in place."""
+    with net.installed(), guards.forbidden_calls(OTHERS, WHY_NOT):
+        with guards.refused_class(DistributedDataParallel, NO_TORCH_DDP):
+            return guards.load_student_file(file)[name]
 
 
-def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
-    """Wrap this rank's model in the student's ``MyDDP`` and train it."""
-    with guards.refused_class(DistributedDataParallel, NO_TORCH_DDP):
-        mod = guards.load_student_file(FILE)
-        model = tiny_net(case["dims"], case["inits"][rank])
-        wrapped = mod["MyDDP"](model)
-        after_wrap = state(model)
-        grads0 = _train(wrapped, model, case, rank)
-    return {"after_wrap": after_wrap, "grads0": grads0, "final": state(model)}
+def one_run(cls, kwargs: dict, run: dict, rank: int, net: SlowNetwork) -> dict:
+    """A training run or, for a run with ``latency``, a timing run."""
+    with net.installed(), guards.forbidden_calls(OTHERS, WHY_NOT):
+        with guards.refused_class(DistributedDataParallel, NO_TORCH_DDP):
+            if "latency" in run:
+                return own_ddp.timing(cls, kwargs, run, net)
+            return own_ddp.train(cls, kwargs, run, rank, net)
 
 
-def big_batch(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's batch of ``step``, concatenated."""
-    w = case["world_size"]
-    return (
-        torch.cat([case["xs"][r][step] for r in range(w)]),
-        torch.cat([case["ys"][r][step] for r in range(w)]),
-    )
+def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
+    """Wrap this rank's model in the student's ``MyDDP`` and train (or time) it."""
+    net = SlowNetwork()
+    cls = load(FILE, "MyDDP", net)
+    return per_run(case, rank, world, lambda run, r, n: one_run(cls, {}, run, r, net))
 
 
-def big_batch_gradient(case: dict) -> dict:
-    """The gradient of the mean loss over the first big batch, at rank 0's weights."""
-    model = tiny_net(case["dims"], case["inits"][0])
-    x, y = big_batch(case, 0)
-    nn.functional.cross_entropy(model(x), y).backward()
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-
-
-def big_batch_sgd(case: dict) -> dict:
-    """Rank 0's weights after plain SGD on every step's big batch (what DDP gives)."""
-    model = tiny_net(case["dims"], case["inits"][0])
-    opt = torch.optim.SGD(model.parameters(), lr=case["lr"])
-    for step in range(case["xs"][0].shape[0]):
-        x, y = big_batch(case, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return state(model)
-
-
-def where(case: dict) -> str:
-    """``"3 ranks that start from different weights"``."""
-    return f"{case['world_size']} ranks that start from different weights"
-
-
-def problem(case: dict, outs: list[dict]) -> str | None:
-    """What is wrong with ``MyDDP`` on every rank, or None."""
-    w, at = case["world_size"], where(case)
-    if len(outs) != w:
-        return f"expected the results of {w} ranks, got {len(outs)}"
-    start = case["inits"][0]
+def count_problem(run: dict, outs: list[dict]) -> str | None:
+    """One all-reduce per trainable parameter and step, each of that parameter's size."""
+    sizes = Counter(math.prod(s) for s in own_ddp.trainable_shapes(run["dims"]))
+    steps = run["xs"][0].shape[0]
     for r, o in enumerate(outs):
-        after = o["after_wrap"]
-        if not same_state(after, start, 0, 0):
-            params = {k: v for k, v in start.items() if k != "scale"}
-            if same_state({k: after[k] for k in params if k in after}, params, 0, 0):
-                return (
-                    f"{at}: after MyDDP(model), rank {r}'s buffers differ from rank 0's: "
-                    "broadcast the buffers too (module.buffers())"
-                )
-            return (
-                f"{at}: after MyDDP(model), rank {r}'s parameters differ from rank 0's: "
-                "broadcast every parameter from rank 0 in __init__ (dist.broadcast(p, src=0))"
+        for step in range(steps):
+            got = Counter(c[1] for c in o["calls"] if c[0] == step)
+            if got == sizes:
+                continue
+            n, want = sum(got.values()), sum(sizes.values())
+            why = (
+                "register the hook on every parameter that requires a gradient (not on the "
+                "frozen one)"
+                if n < want
+                else "one all-reduce per gradient, started by its hook, and nothing else"
             )
-    mean = big_batch_gradient(case)
-    for r, o in enumerate(outs):
-        g = o["grads0"]
-        if same_state(g, mean):
-            continue
-        if isinstance(g, dict) and any(bool(torch.isnan(v).all()) for v in g.values()):
-            return f"{at}: after loss.backward() rank {r} has parameters without .grad"
-        return (
-            f"{at}: after the first backward, rank {r}'s gradient is not the average over the "
-            f"ranks, the gradient of the mean loss over all ranks' batches (max abs difference "
-            f"{max_abs_diff(g, mean):.3g}): all-reduce every gradient in a hook and divide by "
-            "the world size"
-        )
-    expected = big_batch_sgd(case)
-    for r, o in enumerate(outs):
-        if not same_state(o["final"], expected):
             return (
-                f"{at}: after {case['xs'][0].shape[0]} steps rank {r}'s weights differ from "
-                f"DDP's (max abs difference {max_abs_diff(o['final'], expected):.3g}): every step "
-                "must average the gradients, not only the first"
+                f"{own_ddp.where(run)}: rank {r}, step {step}: {n} all-reduces of "
+                f"{sorted(got.elements())} elements; expected {want}, one per trainable "
+                f"parameter ({sorted(sizes.elements())}): {why}"
             )
     return None
 
 
-def judge(inputs: dict, outputs: dict) -> str:
-    """Rank 0's weights everywhere, big-batch gradients, DDP's weights after the steps."""
-    for c, outs in zip(inputs["cases"], outputs["cases"], strict=True):
-        if why := problem(c, outs):
-            raise CheckFailed(why)
-    c = inputs["cases"][0]
+def problem(run: dict, outs: list[dict]) -> str | None:
+    """What is wrong with ``MyDDP`` in one run on every rank, or None."""
+    if len(outs) != run["ranks"] or any(o is None for o in outs):
+        return f"expected the results of {run['ranks']} ranks, got {len(outs)}"
+    if "latency" in run:
+        return own_ddp.timing_problem(run, outs[0], "its all-reduce")
     return (
-        f"MyDDP on {c['world_size']} ranks that start from different weights: rank 0's weights "
-        f"everywhere, the big batch's gradient, the weights of DDP after {c['xs'][0].shape[0]} "
-        "steps"
+        own_ddp.broadcast_problem(run, outs)
+        or count_problem(run, outs)
+        or own_ddp.gradient_problem(run, outs)
+        or own_ddp.weights_problem(run, outs)
+    )
+
+
+def judge_runs(inputs: dict, outputs: dict, problem_of) -> list[dict]:
+    """Apply ``problem_of(run, outs)`` to every run; raise on the first problem."""
+    runs = []
+    for job, ranks in zip(inputs["cases"], outputs["cases"], strict=True):
+        if len(ranks) != job["world_size"]:
+            raise CheckFailed(
+                f"expected the results of {job['world_size']} ranks, got {len(ranks)}"
+            )
+        for run, outs in run_outputs(job, ranks):
+            if why := problem_of(run, outs):
+                raise CheckFailed(why)
+            runs.append((run, outs))
+    return runs
+
+
+def timing_said(runs) -> str:
+    """``"overlap: 190 ms a step instead of 310 ms"`` from the timing runs."""
+    said = [
+        f"{1000 * outs[0]['overlapped']:.0f} ms a step instead of {1000 * outs[0]['blocking']:.0f}"
+        " ms"
+        for run, outs in runs
+        if "latency" in run
+    ]
+    return ", ".join(said)
+
+
+def judge(inputs: dict, outputs: dict) -> str:
+    """Rank 0's weights everywhere, one all-reduce per gradient, the big batch's gradient,
+    DDP's weights, and a measurable overlap on a slow link."""
+    runs = judge_runs(inputs, outputs, problem)
+    worlds = sorted({run["ranks"] for run, _ in runs if "latency" not in run})
+    return (
+        f"MyDDP on {' and '.join(map(str, worlds))} ranks that start apart: rank 0's weights "
+        "everywhere, one all-reduce per gradient, the big batch's gradient, DDP's weights "
+        f"after 3 steps; on a slowed link the all-reduces overlap backward ({timing_said(runs)})"
     )
 
 
 EXERCISE = Exercise(
     "test_ex4_my_ddp",
     ("ex4_my_ddp",),
-    "your own DDP: broadcast and gradient hooks",
+    "your own DDP: broadcast, asynchronous all-reduces in hooks",
     make_inputs,
     judge,
     run_rank=run_rank,
-    timeout=60,
+    timeout=90,
     visible_inputs=visible_inputs,
     files=(FILE,),
 )
