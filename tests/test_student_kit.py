@@ -31,8 +31,9 @@ from pathlib import Path
 lab = sys.argv[1]
 nb = json.loads(Path(f"{lab}.ipynb").read_text())
 cells = {c.get("id"): "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"}
-first = next(c["id"] for c in nb["cells"]
-             if c.get("metadata", {}).get("nbgrader", {}).get("solution"))
+first = next(c["id"] for c in nb["cells"]  # the first exercise (not a written answer)
+             if c["cell_type"] == "code"
+             and c.get("metadata", {}).get("nbgrader", {}).get("solution"))
 ns = {"__name__": "__main__"}
 
 def run(source):
