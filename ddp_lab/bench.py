@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ddp_lab.dist import teardown
 from ddp_lab.launch import torchrun, write_result
 
 PROG = "ddp_lab.bench"
@@ -155,7 +156,11 @@ def reference(model_name: str, steps: int, batch: int, workers: int, lr: float =
     _sync(device)
     seconds = time.perf_counter() - t0
     write_result({"samples_per_s": (steps - 1) * batch * world / seconds, "seconds": seconds})
-    dist.destroy_process_group()
+    # DDP's reducer freed after the group is gone can abort a rank ("terminate called
+    # without an active exception"): drop it, wait for every rank, then leave the group.
+    del model, optimizer, loader
+    dist.barrier()
+    teardown()
 
 
 def collectives_worker(args: argparse.Namespace) -> None:
@@ -168,7 +173,8 @@ def collectives_worker(args: argparse.Namespace) -> None:
     comm = step_times(args.model, args.batch_size, args.blocks, max(5, args.steps // 4), device)
     bw = all_reduce_times(args.sizes, args.rounds, args.repeats, device)
     write_result({"comm": comm, "bandwidth": {**bw, "backend": backend}})
-    dist.destroy_process_group()
+    dist.barrier()
+    teardown()
 
 
 def step_times(model_name: str, batch: int, blocks: int, steps: int, device) -> dict:
