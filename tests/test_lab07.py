@@ -27,10 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import assert_verdicts, new_leftovers, solution_sources, spawn_gloo
+from _harness import GradedLab, assert_verdicts, new_leftovers, saved, spawn_gloo
 
-from ddp_lab.answers import full_judge
-from ddp_lab.answers.lab07 import HIDDEN, MISTAKES, MORE_MISTAKES
+from ddp_lab.answers.lab07 import MISTAKES, MORE_MISTAKES
 from ddp_lab.answers.lab07 import hidden as hid
 from ddp_lab.answers.lab07 import references as ref
 from ddp_lab.checks import lab07 as checks
@@ -47,23 +46,9 @@ from ddp_lab.parallel import hybrid, memory, timeline
 LAB = checks.LAB
 SEEDS = range(200)
 FEW = range(0, 200, 25)
-SOURCES = solution_sources(LAB)
-EXERCISES = exercises(LAB)
-
-
-def _judge(gid: str):
-    return full_judge(EXERCISES[gid], HIDDEN.get(gid))
-
-
-def _inputs(gid: str, seed: int) -> dict:
-    return EXERCISES[gid].make_inputs(torch.Generator().manual_seed(seed))
-
-
-def _saved(outputs):
-    """What the judge gets: the outputs through torch.save / torch.load(weights_only=True)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(outputs, Path(tmp) / "o.pt")
-        return torch.load(Path(tmp) / "o.pt", weights_only=True)
+GRADED = GradedLab(LAB)
+SOURCES, EXERCISES = GRADED.sources, GRADED.exercises
+_judge, _inputs, _saved = GRADED.judge, GRADED.inputs, saved
 
 
 def _file(source: str) -> str:
