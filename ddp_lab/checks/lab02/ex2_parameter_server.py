@@ -41,26 +41,15 @@ def visible_inputs(gen: torch.Generator) -> dict:
     return {"cases": [{"world_size": common.JOB_RANKS, "runs": runs}]}
 
 
-def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world_size: int) -> list:
-    """The student's ``parameter_server`` on this rank, once per run it takes part in."""
-    found: dict = {}
-
-    def load() -> None:
-        fn = common.student_function(common.SERVER_FILE, "parameter_server")
-        found["fn"] = common.watched(fn, "a parameter server", server.SERVER_HINT)
-
-    return common.each_run(
-        case, rank, lambda run: server.one_run(found["fn"], run, rank, stale=False), load
-    )
-
-
 EXERCISE = Exercise(
     "test_ex2_parameter_server",
     ("ex2_parameter_server",),
     "a synchronous parameter server",
     make_inputs,
     server.judge(stale=False),
-    run_rank=run_rank,
+    run_rank=server.run_rank(
+        common.SERVER_FILE, "parameter_server", "a parameter server", stale=False
+    ),
     forbid=guards.COLLECTIVES,
     timeout=90,
     visible_inputs=visible_inputs,

@@ -47,26 +47,15 @@ def visible_inputs(gen: torch.Generator) -> dict:
     return {"cases": [{"world_size": common.JOB_RANKS, "runs": runs}]}
 
 
-def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world_size: int) -> list:
-    """The student's ``stale_parameter_server`` on this rank, once per run it takes part in."""
-    found: dict = {}
-
-    def load() -> None:
-        fn = common.student_function(common.STALE_FILE, "stale_parameter_server")
-        found["fn"] = common.watched(fn, "a parameter server with staleness", server.SERVER_HINT)
-
-    return common.each_run(
-        case, rank, lambda run: server.one_run(found["fn"], run, rank, stale=True), load
-    )
-
-
 EXERCISE = Exercise(
     "test_ex3_stale_server",
     ("ex3_stale_server",),
     "a parameter server with bounded staleness",
     make_inputs,
     server.judge(stale=True),
-    run_rank=run_rank,
+    run_rank=server.run_rank(
+        common.STALE_FILE, "stale_parameter_server", "a parameter server with staleness", stale=True
+    ),
     forbid=guards.COLLECTIVES,
     timeout=90,
     visible_inputs=visible_inputs,

@@ -324,3 +324,21 @@ def judge(stale: bool):
         return f"parameter_server {said}"
 
     return check
+
+
+def run_rank(path: str, name: str, what: str, stale: bool):
+    """The student process of a parameter-server exercise: the student's function ``name``
+    from ``path`` (loaded once, watched), called once per run this rank takes part in."""
+
+    def run(ns: dict, inputs: dict, case: dict, rank: int, world_size: int) -> list:
+        found: dict = {}
+
+        def load() -> None:
+            fn = common.student_function(path, name)
+            found["fn"] = common.watched(fn, what, SERVER_HINT)
+
+        return common.each_run(
+            case, rank, lambda r: one_run(found["fn"], r, rank, stale=stale), load
+        )
+
+    return run
