@@ -33,11 +33,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)  ## build .venv from the pins (quick when nothing changed)
 
+# Two tests at a time (pytest-xdist): most tests wait on process start-ups and torchrun jobs
+# that leave a core idle. A lab's tests share a worker (tests/conftest.py). TEST_WORKERS=0 (or
+# `.venv/bin/python -m pytest ...`) runs them one by one in one process.
+TEST_WORKERS ?= 2
+PYTEST_ARGS := -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)  ## the whole test suite
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)  ## the quick subset (no torchrun sweeps, no notebooks)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
 
 lint: $(STAMP)  ## ruff lint and format check
 	$(PY) -m ruff check .

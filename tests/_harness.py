@@ -6,7 +6,7 @@
   :func:`released_sources`), a lab notebook with some solution cells replaced
   (:func:`notebook_with`);
 - processes: what is left alive that mentions a marker (:func:`leftover_processes`,
-  :func:`new_leftovers`);
+  :func:`new_leftovers`), a test's own temporary folder as that marker (:func:`own_tmpdir`);
 - gloo groups joined through a ``file://`` store, no port (:func:`spawn_gloo`,
   :func:`join_gloo`);
 - one lab's graded pieces for its test file: the full judge, inputs of a draw, a mistake
@@ -231,6 +231,16 @@ def leftover_processes(marker: str) -> list[str]:
         if state != "Z" and (marker in cmd or marker in cwd) and int(pid) != os.getpid():
             found.append(f"{pid}: {cmd[:200]} (in {cwd})")
     return found
+
+
+def own_tmpdir(monkeypatch, path: Path) -> str:
+    """Make ``path`` the temporary folder of this process and its children (``TMPDIR``): the
+    grader's and the checks' folders, and so every process they start (by its command line
+    or working folder), carry it. Returns it as the marker for :func:`new_leftovers`, which
+    then finds this test's processes only, not those of a test running beside it."""
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return str(path)
 
 
 def new_leftovers(before: set[str], marker: str) -> list[str]:

@@ -31,3 +31,38 @@ def trainer(tmp_path):
         return proc, out
 
     return run
+
+
+# `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup). A lab's tests
+# and its grader rounds in test_mistakes share a worker (they look for leftover processes of
+# that lab's exercises by command line); every other file keeps its tests on one worker (its
+# module fixtures are built once). The longest tests start first, so neither worker ends
+# alone with a long tail.
+_FIRST = (
+    "test_grading.py::test_autograde_scores_the_sample_class",
+    "test_mistakes.py::test_mistakes_fail_their_own_exercises_in_the_grader",
+    "test_student_kit.py::test_a_kit_from_a_fresh_clone",
+    "test_grading_array.py::test_job_array",
+)
+
+
+def _group(item: pytest.Item) -> str:
+    file = item.path.name
+    callspec = getattr(item, "callspec", None)
+    lab = callspec.params.get("lab") if callspec else None
+    if file.startswith("test_lab"):
+        return file.removeprefix("test_")[:5]  # test_lab03_parts.py -> lab03
+    if file == "test_mistakes.py" and isinstance(lab, str):
+        return lab[:5]
+    if "test_autograde_scores_the_sample_class" in item.name:
+        return f"autograde-{lab}"  # one course per lab (its own temporary folder)
+    return file
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    first = [i for i in items if any(f in i.nodeid for f in _FIRST)]
+    rest = [i for i in items if not any(f in i.nodeid for f in _FIRST)]
+    items[:] = first + rest

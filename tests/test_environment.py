@@ -34,6 +34,7 @@ def test_every_dependency_is_pinned_and_torch_is_the_course_version():
         "tensorboard",
         "pytest",
         "pytest-timeout",
+        "pytest-xdist",
         "ruff",
     ):
         assert tool in pins, tool

@@ -58,7 +58,7 @@ fi
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_job_array_grades_like_a_local_autograde(tmp_path):
-    course = make_course(tmp_path)
+    course = make_course(tmp_path, [LAB])
     sample_class.write_class(course / "grading" / "submitted", STUDENTS, [LAB])
     bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
     bin_dir.mkdir()

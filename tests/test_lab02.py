@@ -25,6 +25,7 @@ from _harness import (
     assert_verdicts,
     new_leftovers,
     notebook_with,
+    own_tmpdir,
     released_sources,
     solution_sources,
 )
@@ -554,11 +555,12 @@ def test_visible_checks_explain_mistakes(tmp_path, source, check, message):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_visible_check_stops_a_deadlocked_ring_and_says_why(tmp_path):
+def test_visible_check_stops_a_deadlocked_ring_and_says_why(tmp_path, monkeypatch):
+    marker = own_tmpdir(monkeypatch, tmp_path)
     before = set(os.listdir("/proc"))
     with pytest.raises(CheckFailed, match=r"did not return within 15 s on rank \d of \d.*isend"):
         checks.ring_all_reduce(_write(tmp_path, mistakes.RING_RECV_FIRST))
-    assert not new_leftovers(before, f"{LAB} {RING}")
+    assert not new_leftovers(before, marker)
 
 
 @pytest.mark.slow
@@ -568,20 +570,22 @@ def test_visible_check_job_timeout_stops_a_hang_before_the_watchdog(tmp_path, mo
         dataclasses.replace(ex, timeout=8) if ex.grade_id == RING else ex for ex in checks.EXERCISES
     ]
     monkeypatch.setattr(checks, "EXERCISES", short)
+    marker = own_tmpdir(monkeypatch, tmp_path)
     before = set(os.listdir("/proc"))
     with pytest.raises(CheckFailed, match="did not finish within 8 s on 3 ranks.*recv before"):
         checks.ring_all_reduce(_write(tmp_path, mistakes.RING_RECV_FIRST))
-    assert not new_leftovers(before, f"{LAB} {RING}")
+    assert not new_leftovers(before, marker)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_grader_stops_a_deadlocked_ring_says_why_and_leaves_no_process():
+def test_grader_stops_a_deadlocked_ring_says_why_and_leaves_no_process(tmp_path, monkeypatch):
+    marker = own_tmpdir(monkeypatch, tmp_path)
     before = set(os.listdir("/proc"))
     nb = notebook_with(LAB, mistakes.HANGS)
     v = judge_notebook(nb, LAB, [RING])[RING]
     assert not v.passed
     assert "did not return within 15 s" in v.message and "isend" in v.message, v.message
     assert v.seconds < 60, "the watchdog, not the exercise's timeout, should stop it"
-    assert not new_leftovers(before, f"{LAB} {RING}")
+    assert not new_leftovers(before, marker)
     assert mistakes.HANG_LOSES == [RING]

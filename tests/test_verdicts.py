@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _harness import new_leftovers, own_tmpdir
 from selftest.students import GOOD_ADD, GOOD_SUM, RANK_SUM_FILE
 
 from ddp_lab.grading import sandbox
@@ -144,7 +145,7 @@ def test_a_kernel_side_forged_file_is_ignored(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_forbidden_collective_and_deadlock_fail():
+def test_forbidden_collective_and_deadlock_fail(tmp_path, monkeypatch):
     uses_all_reduce = (
         "%%writefile rank_sum.py\nimport torch.distributed as dist\n"
         "def rank_sum(t):\n    dist.all_reduce(t)\n"
@@ -155,17 +156,11 @@ def test_forbidden_collective_and_deadlock_fail():
         "%%writefile rank_sum.py\nimport torch.distributed as dist\n"
         "def rank_sum(t):\n    dist.recv(t, src=(dist.get_rank() + 1) % dist.get_world_size())\n"
     )
+    marker = own_tmpdir(monkeypatch, tmp_path)
     before = set(os.listdir("/proc"))
     v = _judge(_nb(rank_sum=deadlock), "test_rank_sum")["test_rank_sum"]
     assert not v.passed, v
-    leftovers = []
-    for pid in set(os.listdir("/proc")) - before:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ddp_lab.grading" in f.read():
-                    leftovers.append(pid)
-        except OSError:
-            pass
+    leftovers = new_leftovers(before, marker)
     assert not leftovers, f"processes of the hanging job survived: {leftovers}"
 
 
