@@ -63,7 +63,7 @@ def make_course(tmp: Path, labs: list[str] = LABS) -> Path:
     return course
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test worker: tests of other files run between
 def released(tmp_path_factory) -> Path:
     return make_course(tmp_path_factory.mktemp("release"))
 

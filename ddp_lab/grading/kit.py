@@ -45,7 +45,7 @@ LEAK_AT = 0.25
 #: Top-level files copied as they are.
 COPIED = ("pyproject.toml", "constraints.txt", "LICENSE")
 #: Pins students do not need (developer tools).
-DEV_ONLY = ("pytest", "pytest-timeout", "ruff")
+DEV_ONLY = ("pytest", "pytest-timeout", "pytest-xdist", "ruff")
 #: The kit's own README, Makefile and nbgrader config, relative to the repository root.
 FILES = Path("ddp_lab") / "grading" / "kit_files"
 _SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
