@@ -33,11 +33,12 @@ def trainer(tmp_path):
     return run
 
 
-# `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup). A lab's tests
-# and its grader rounds in test_mistakes share a worker (they look for leftover processes of
-# that lab's exercises by command line); every other file keeps its tests on one worker (its
-# module fixtures are built once). The longest tests start first, so neither worker ends
-# alone with a long tail.
+# `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup). A test file keeps
+# its tests on one worker, in order (its module fixtures are built once); a lab's test files
+# and its grader rounds in test_mistakes form one group; each lab's sample-class autograde is
+# a group of its own. Tests that look for leftover processes look for their own tmp folder
+# (_harness.own_tmpdir), never for a name that a test beside them may run. The longest tests
+# start first, so neither worker ends alone with a long tail.
 _FIRST = (
     "test_grading.py::test_autograde_scores_the_sample_class",
     "test_mistakes.py::test_mistakes_fail_their_own_exercises_in_the_grader",
