@@ -10,11 +10,12 @@ float32, ``backward``, ``clip_grad_norm_(max_norm)`` on the true gradients, ``st
 right mixed-precision step moves the weights by the same amount up to float16 (bfloat16)
 rounding, and returns the same norm before clipping. Clipping the *scaled* gradients (before
 ``scaler.unscale_``) clips by a factor ``scale`` too much: the weights barely move. Case set:
-float16 with a scale of 2**14 to 2**16 and a true norm below ``max_norm`` (no clipping
-needed), float16 with clipping active, float16 with a scale of 2**40 (the gradients overflow:
-the step is skipped, the scale halves), and bfloat16 with a disabled scaler and clipping
-active; two steps in a row where the step is not skipped (the scale doubles after each, at
-a growth interval of 1).
+float16 with a scale of 2**12 to 2**14 and a true norm below ``max_norm`` (no clipping
+needed; the second step runs at twice the scale, and at 2**17 about one draw in a hundred
+overflowed there, where a right step is skipped), float16 with clipping active, float16
+with a scale of 2**40 (the gradients overflow: the step is skipped, the scale halves), and
+bfloat16 with a disabled scaler and clipping active; two steps in a row where the step is
+not skipped (the scale doubles after each, at a growth interval of 1).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def make_inputs(gen: torch.Generator) -> dict:
     """float16 without and with clipping, float16 overflowing, bfloat16 with clipping."""
     return {
         "cases": [
-            _case(gen, "float16", 2.0 ** randint(gen, 14, 16), clip=False, steps=2),
+            _case(gen, "float16", 2.0 ** randint(gen, 12, 14), clip=False, steps=2),
             _case(gen, "float16", 2.0 ** randint(gen, 10, 13), clip=True, steps=2),
             _case(gen, "float16", 2.0**40, clip=True, steps=1),
             _case(gen, "bfloat16", None, clip=True, steps=2),
