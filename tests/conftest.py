@@ -64,6 +64,4 @@ def _group(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
-    first = [i for i in items if any(f in i.nodeid for f in _FIRST)]
-    rest = [i for i in items if not any(f in i.nodeid for f in _FIRST)]
-    items[:] = first + rest
+    items.sort(key=lambda i: not any(f in i.nodeid for f in _FIRST))  # stable: order kept
