@@ -115,7 +115,13 @@ def run_here(ex: Exercise, ns: Mapping, inputs: dict, workdir: Path):
 
 
 def run_ranks(
-    ex: Exercise, lab: str, inputs: dict, workdir: Path, folder: Path, timeout: float
+    ex: Exercise,
+    lab: str,
+    inputs: dict,
+    workdir: Path,
+    folder: Path,
+    timeout: float,
+    launch: Callable[..., object] | None = None,
 ) -> dict:
     """Run every case of a distributed exercise under torchrun; collect each rank's outputs.
 
@@ -125,6 +131,10 @@ def run_ranks(
         workdir: where the ranks read the inputs and write ``case<i>-rank<r>.pt``.
         folder: the ranks' working folder, where the student's ``%%writefile`` files are.
         timeout: seconds for all cases together.
+        launch: how one case's ranks start instead of torchrun: called as
+            ``launch(args, nproc=, timeout=, cwd=, logs=)`` with the rank worker's
+            arguments, it raises :class:`~ddp_lab.launch.LaunchError` as torchrun does (the
+            grader forks the ranks from its student process: ``ddp_lab.grading.ranks``).
 
     Returns:
         ``{"cases": [[rank 0's outputs, rank 1's, ...], ...]}``.
@@ -141,16 +151,20 @@ def run_ranks(
     results = []
     for i, case in enumerate(inputs["cases"]):
         n = case["world_size"]
+        args = [lab, ex.grade_id, str(workdir), str(i)]
         try:
-            torchrun(
-                "ddp_lab.checks.rank_worker",
-                [lab, ex.grade_id, str(workdir), str(i)],
-                nproc=n,
-                module=True,
-                timeout=per_case,
-                cwd=str(folder),
-                stream=False,
-            )
+            if launch is None:
+                torchrun(
+                    "ddp_lab.checks.rank_worker",
+                    args,
+                    nproc=n,
+                    module=True,
+                    timeout=per_case,
+                    cwd=str(folder),
+                    stream=False,
+                )
+            else:
+                launch(args, nproc=n, timeout=per_case, cwd=folder, logs=workdir / f"case{i}")
         except LaunchTimeout:
             raise CheckFailed(
                 f"{filename} did not finish within {per_case:g} s on {n} ranks and was "

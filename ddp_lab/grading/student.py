@@ -9,13 +9,15 @@ which holds
 and writes ``outputs.pt``. It takes the same path as the notebook's visible check
 (:mod:`ddp_lab.checks.runner`): the cells' code in a fresh namespace, their ``%%writefile``
 files written here, then ``Exercise.run`` in this process or ``Exercise.run_rank`` on every
-rank of one torchrun job per case. Whatever the student's code does here (monkeypatching
+rank of one job per case (forked from this process, which has torch loaded already:
+:mod:`ddp_lab.grading.ranks`; torchrun where forking is not available). Whatever the student's code does here (monkeypatching
 torch, writing files) stays in this process: the verdict is reached by
 :mod:`ddp_lab.grading.judge` in another one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import traceback
@@ -27,6 +29,7 @@ from ddp_lab.checks.contract import exercises
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.runner import CELLS_FILE, INPUTS_FILE, namespace, run_here, run_ranks
 from ddp_lab.checks.values import plain
+from ddp_lab.grading import ranks
 
 OUTPUTS = "outputs.pt"
 
@@ -39,6 +42,15 @@ def _where(err: BaseException) -> str | None:
     )
 
 
+def _launcher():
+    """The ranks forked from this process (no torch import per rank), else torchrun."""
+    if not ranks.available():
+        return None
+    from ddp_lab.checks import rank_worker
+
+    return functools.partial(ranks.fork_ranks, rank_worker.main)
+
+
 def main(argv: list[str]) -> int:
     lab, grade_id, workdir = argv[0], argv[1], Path(argv[2])
     ex = exercises(lab)[grade_id]
@@ -47,7 +59,7 @@ def main(argv: list[str]) -> int:
     try:
         if ex.distributed:  # write the files, check the code, then run every rank
             namespace(sources, ex.cells, workdir, ex.forbid, ex.forbid_modules)
-            outputs = run_ranks(ex, lab, inputs, workdir, workdir, ex.timeout)
+            outputs = run_ranks(ex, lab, inputs, workdir, workdir, ex.timeout, _launcher())
         else:
             ns = namespace(sources, ex.cells, workdir, ex.forbid, ex.forbid_modules)
             outputs = plain(run_here(ex, ns, inputs, workdir))
