@@ -2,10 +2,11 @@
 
 Started by :func:`ddp_lab.checks.runner.run_ranks` (the visible check and the grader alike)
 in the folder that holds the student's ``%%writefile`` files: under torchrun, or forked by
-the grader with torchrun's variables set (``launch=``; the same :func:`main` either way). Each rank joins a gloo group,
-runs the exercise's ``run_rank`` on case ``I`` of ``DIR/inputs.pt`` with the exercise's
-guards in place, and saves its outputs as ``DIR/case<I>-rank<r>.pt``. Solution cells that are
-plain code (not files) come from ``DIR/cells.json`` when the grader wrote one.
+the grader with torchrun's variables set (``launch=``; the same :func:`main` either way).
+Each rank joins a gloo group, runs the exercise's ``run_rank`` on case ``I`` of
+``DIR/inputs.pt`` with the exercise's guards in place, and saves its outputs as
+``DIR/case<I>-rank<r>.pt``. Solution cells that are plain code (not files) come from
+``DIR/cells.json`` when the grader wrote one.
 
 An error of the student's code ends the rank with one line (the error, and the line of the
 student's file), so the launcher stops the other ranks and the check can quote it.

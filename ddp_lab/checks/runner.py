@@ -6,7 +6,7 @@ The visible check in the notebook and the grader use the same pieces:
   ``%%writefile`` files written (grader);
 - :func:`run_here`: ``Exercise.run`` in this process, the exercise's forbidden calls refused;
 - :func:`run_ranks`: ``Exercise.run_rank`` on every rank of one torchrun job per case, each
-  rank being :mod:`ddp_lab.checks.rank_worker`;
+  rank being :mod:`ddp_lab.checks.rank_worker` (the grader forks the same ranks instead);
 - :func:`visible`: the quick feedback of a test cell: the exercise's small fixed inputs, the
   student's functions from the kernel (or files from the notebook's folder), the same run
   and the same judge; prints ``OK: ...`` or raises :class:`CheckFailed`.
@@ -123,7 +123,7 @@ def run_ranks(
     timeout: float,
     launch: Callable[..., object] | None = None,
 ) -> dict:
-    """Run every case of a distributed exercise under torchrun; collect each rank's outputs.
+    """Run every case of a distributed exercise on its ranks; collect each rank's outputs.
 
     Args:
         ex, lab: the exercise and its lab.
@@ -131,7 +131,7 @@ def run_ranks(
         workdir: where the ranks read the inputs and write ``case<i>-rank<r>.pt``.
         folder: the ranks' working folder, where the student's ``%%writefile`` files are.
         timeout: seconds for all cases together.
-        launch: how one case's ranks start instead of torchrun: called as
+        launch: how one case's ranks start (default: torchrun); called as
             ``launch(args, nproc=, timeout=, cwd=, logs=)`` with the rank worker's
             arguments, it raises :class:`~ddp_lab.launch.LaunchError` as torchrun does (the
             grader forks the ranks from its student process: ``ddp_lab.grading.ranks``).

@@ -9,10 +9,10 @@ which holds
 and writes ``outputs.pt``. It takes the same path as the notebook's visible check
 (:mod:`ddp_lab.checks.runner`): the cells' code in a fresh namespace, their ``%%writefile``
 files written here, then ``Exercise.run`` in this process or ``Exercise.run_rank`` on every
-rank of one job per case (forked from this process, which has torch loaded already:
-:mod:`ddp_lab.grading.ranks`; torchrun where forking is not available). Whatever the student's code does here (monkeypatching
-torch, writing files) stays in this process: the verdict is reached by
-:mod:`ddp_lab.grading.judge` in another one.
+rank of one job per case (the ranks forked from this process, which has torch loaded
+already: :mod:`ddp_lab.grading.ranks`; torchrun where forking is not available). Whatever
+the student's code does here (monkeypatching torch, writing files) stays in this process:
+the verdict is reached by :mod:`ddp_lab.grading.judge` in another one.
 """
 
 from __future__ import annotations
