@@ -113,6 +113,14 @@ def test_a_hang_ends_at_the_timeout_with_every_process_it_started(tmp_path, monk
     assert not new_leftovers(before, marker)
 
 
+def test_the_first_failure_is_the_earliest_noted_and_a_signal_counts_as_first(tmp_path):
+    (tmp_path / "rank0.failed").write_text("2.5")  # rank 0 saw rank 1's connection close
+    (tmp_path / "rank1.failed").write_text("2.0")
+    assert ranks._first_failure({0: 1, 1: 1, 2: 0}, tmp_path) == 1
+    assert ranks._first_failure({0: 1, 1: 1, 2: -9}, tmp_path) == 2  # killed: noted nothing
+    assert ranks._first_failure({0: 0, 1: 0}, tmp_path) is None
+
+
 def test_forking_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(ranks.ENV, "0")
     assert not ranks.available()

@@ -23,6 +23,7 @@ Linux (:func:`available`).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import socket
@@ -116,6 +117,8 @@ def _job(
 ) -> tuple[LaunchResult, int | None, str]:
     """One attempt: ``(result, the rank that failed first or None, why it ended)``."""
     logs.mkdir(parents=True, exist_ok=True)
+    for stale in logs.glob("rank*.failed"):  # an earlier attempt's
+        stale.unlink()
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -139,7 +142,7 @@ def _job(
         why = _wait(pids, ended, t0 + timeout)
     finally:
         _stop(pids)  # every rank's group, then reap: nothing outlives the job
-    failed = next((rank for rank, code in ended.items() if code != 0), None)
+    failed = _first_failure(ended, logs)
     returncode = -signal.SIGKILL if why == "timeout" else ended.get(failed, 0)
     res = LaunchResult(
         returncode=returncode,
@@ -151,9 +154,25 @@ def _job(
     return res, failed, why
 
 
+def _first_failure(ended: dict[int, int], logs: Path) -> int | None:
+    """The rank that failed first, among those seen failed: the earliest failure time a rank
+    noted (the others failed because of it: a closed connection, a timeout); a rank killed
+    by a signal noted none and counts as first."""
+    failed = [rank for rank, code in ended.items() if code != 0]
+    return min(failed, key=lambda r: _float(_read(logs / f"rank{r}.failed")), default=None)
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return -math.inf
+
+
 def _rank(main: Callable, args: list[str], env: dict, cwd: Path, log: Path) -> None:
-    """The forked child: one rank. Ends the process with the rank's exit status."""
-    code = 1
+    """The forked child: one rank. Ends the process with the rank's exit status; a failed
+    rank notes when it failed in ``rank<r>.failed`` beside its log."""
+    code, failed_at = 1, None
     try:
         os.setpgid(0, 0)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -167,16 +186,20 @@ def _rank(main: Callable, args: list[str], env: dict, cwd: Path, log: Path) -> N
         os.environ.update(env)
         code = main(args) or 0
     except SystemExit as exit_:
+        failed_at = time.monotonic()
         if isinstance(exit_.code, int) or exit_.code is None:
             code = exit_.code or 0
         else:  # sys.exit("message") prints the message, as Python does
             print(exit_.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - whatever it was, it is this rank's failure
+        failed_at = time.monotonic()
         traceback.print_exc()
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if code != 0:
+                log.with_suffix(".failed").write_text(repr(failed_at or time.monotonic()))
         finally:
             os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
 
@@ -184,7 +207,7 @@ def _rank(main: Callable, args: list[str], env: dict, cwd: Path, log: Path) -> N
 def _wait(pids: dict[int, int], ended: dict[int, int], deadline: float) -> str:
     """Watch the ranks until all ended, one failed or the deadline passed.
 
-    Fills ``ended`` (``rank -> exit status``, in the order the ranks ended) and returns why
+    Fills ``ended`` (``rank -> exit status``) and returns why
     it stopped watching: ``"done"``, ``"failed"`` or ``"timeout"``. The ranks are not reaped
     here, so their pids (and process groups) stay theirs until :func:`_stop`.
     """
@@ -196,8 +219,8 @@ def _wait(pids: dict[int, int], ended: dict[int, int], deadline: float) -> str:
             if info is not None and info.si_pid == pid:
                 exited = info.si_code == os.CLD_EXITED
                 ended[rank] = info.si_status if exited else -info.si_status
-                if ended[rank] != 0:
-                    return "failed"
+        if any(code != 0 for code in ended.values()):  # after a whole round: who was first
+            return "failed"
         if len(ended) < len(pids) and time.monotonic() >= deadline:
             return "timeout"
         time.sleep(POLL_S)
