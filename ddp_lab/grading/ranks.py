@@ -7,7 +7,8 @@ has torch loaded already, so it forks the ranks instead. Each child
 
 - sets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``) and works in the same folder,
-- writes its stdout and stderr to a log of its own (``<workdir>/rank<r>.log``),
+- writes its stdout and stderr to a log of its own (``rank<r>.log``; the grader keeps them
+  in ``<workdir>/case<i>/``),
 - runs the same :mod:`ddp_lab.checks.rank_worker` on the same files, in a process group of
   its own (so anything it starts is stopped with it).
 
@@ -207,9 +208,9 @@ def _rank(main: Callable, args: list[str], env: dict, cwd: Path, log: Path) -> N
 def _wait(pids: dict[int, int], ended: dict[int, int], deadline: float) -> str:
     """Watch the ranks until all ended, one failed or the deadline passed.
 
-    Fills ``ended`` (``rank -> exit status``) and returns why
-    it stopped watching: ``"done"``, ``"failed"`` or ``"timeout"``. The ranks are not reaped
-    here, so their pids (and process groups) stay theirs until :func:`_stop`.
+    Fills ``ended`` (``rank -> exit status``) and returns why it stopped watching:
+    ``"done"``, ``"failed"`` or ``"timeout"``. The ranks are not reaped here, so their pids
+    (and process groups) stay theirs until :func:`_stop`.
     """
     while len(ended) < len(pids):
         for pid, rank in pids.items():
