@@ -164,14 +164,27 @@ def test_output_larger_than_the_pipe_buffer_does_not_deadlock():
 def test_keyboard_interrupt_kills_the_tree_and_reraises(tmp_path):
     script = _script(tmp_path, HANGS_WITH_SETSID_GRANDCHILD)
 
+    pressed = []
+
     def press_stop() -> None:  # Jupyter's stop button: SIGINT to the kernel's main thread
-        if _wait_for_files([tmp_path / f"{role}.pid" for role in ROLES], 15):
+        if _wait_for_files([tmp_path / f"{role}.pid" for role in ROLES], 20):
             time.sleep(0.5)
+            pressed.append(True)
             _thread.interrupt_main()
 
-    threading.Thread(target=press_stop, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run([PY, str(script), "root", str(tmp_path)], timeout=25, grace=1.0)
+    # a kernel's handler, whatever a test before this one in the worker left (interrupt_main
+    # does nothing while SIGINT is ignored or at its default)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=press_stop, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run([PY, str(script), "root", str(tmp_path)], timeout=25, grace=1.0)
+            pytest.fail(
+                "run() returned without the interrupt: "
+                + ("it was pressed" if pressed else "the pid files did not appear within 20 s")
+            )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
     assert not any(_running(pid) for pid, _ in _pids_and_sids(tmp_path))
 
