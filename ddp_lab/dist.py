@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import gc
 import os
+import socket
 import sys
 import threading
 import time
@@ -358,3 +359,16 @@ def settle_ddp_buckets(ddp_model: torch.nn.Module, example: torch.Tensor, autoca
     with torch.no_grad():
         for k, v in inner.named_buffers():
             v.copy_(buffers[k])
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on now (bind port 0 on 127.0.0.1, read it, close), the
+    way ``torchrun --standalone`` picks one: used at once, it is free but for a rare race.
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

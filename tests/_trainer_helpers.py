@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,7 @@ import time
 import torch
 from _harness import REPO, run_tree, trainer_command
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ddp_lab.dist import free_port  # noqa: F401 - test_elastic's rendezvous port
 
 
 def leftovers(marker: str) -> list[int]:

@@ -27,13 +27,13 @@ import errno
 import math
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ddp_lab.dist import free_port
 from ddp_lab.launch.messages import describe
 from ddp_lab.launch.result import LaunchFailed, LaunchResult, LaunchTimeout
 
@@ -51,13 +51,6 @@ def available() -> bool:
     """True where ranks are forked (Linux, unless ``$DDP_LAB_FORK_RANKS`` is ``0``)."""
     linux = sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "waitid")
     return linux and os.environ.get(ENV, "1") != "0"
-
-
-def free_port() -> int:
-    """A TCP port that nothing listens on now (the way ``torchrun --standalone`` picks one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fork_ranks(
