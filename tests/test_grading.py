@@ -68,6 +68,19 @@ def released(tmp_path_factory) -> Path:
     return make_course(tmp_path_factory.mktemp("release"))
 
 
+def test_nbgrader_commands_start_without_torch():
+    """Every nbgrader command loads nbgrader_config.py; only autograde's judging needs torch
+    (1.3-1.7 s of CPU per command: 14 s of each course build)."""
+    probe = (
+        "import runpy, sys; runpy.run_path(sys.argv[1], init_globals={'get_config': lambda: "
+        "__import__('traitlets.config').config.Config()}); print(sorted({'torch', "
+        "'ddp_lab.checks.contract', 'ddp_lab.grading.verdict'} & set(sys.modules)))"
+    )
+    proc = run_tree([sys.executable, "-c", probe, str(ROOT / "nbgrader_config.py")], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
 @pytest.mark.timeout(300)
 def test_labs_equal_a_fresh_release_of_solutions(released):
     fresh = sorted(

@@ -23,10 +23,12 @@ from jupyter_client.manager import AsyncKernelManager
 from nbformat import NotebookNode
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor
 
-from ddp_lab.checks.contract import exercises
 from ddp_lab.grading import limits
-from ddp_lab.grading.notebook import is_test, nbgrader_meta
 from ddp_lab.grading.sandbox import confine
+
+# ``nbgrader_config.py`` imports this module in every nbgrader command (generate_assignment,
+# db, export, ...): what needs torch (the exercises, the notebook helpers, the verdicts) is
+# imported where a notebook is judged, so that the other commands start without torch.
 
 
 def _output_text(output: NotebookNode) -> str:
@@ -77,6 +79,10 @@ class OutOfKernelVerdicts(NbGraderPreprocessor):
     """nbgrader preprocessor: every test cell's points come from an out-of-kernel verdict."""
 
     def preprocess(self, nb: NotebookNode, resources: dict):
+        from ddp_lab.checks.contract import exercises
+        from ddp_lab.grading.notebook import is_test, nbgrader_meta
+        from ddp_lab.grading.verdict import judge_notebook
+
         lab = resources["nbgrader"]["notebook"]
         tests = [c for c in nb.cells if is_test(c)]
         try:
@@ -86,8 +92,6 @@ class OutOfKernelVerdicts(NbGraderPreprocessor):
         known = [
             nbgrader_meta(c)["grade_id"] for c in tests if nbgrader_meta(c)["grade_id"] in table
         ]
-        from ddp_lab.grading.verdict import judge_notebook
-
         verdicts = judge_notebook(nb, lab, known) if known else {}
         for cell in tests:
             gid = nbgrader_meta(cell)["grade_id"]
