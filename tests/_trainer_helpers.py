@@ -19,8 +19,6 @@ import time
 import torch
 from _harness import REPO, run_tree, trainer_command
 
-from ddp_lab.dist import free_port  # noqa: F401 - test_elastic's rendezvous port
-
 
 def leftovers(marker: str) -> list[int]:
     """PIDs of live processes whose command line contains ``marker`` (not this process)."""

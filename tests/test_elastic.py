@@ -11,7 +11,6 @@ import pytest
 from _harness import trainer_command
 from _trainer_helpers import (
     bit_identical,
-    free_port,
     jsonl,
     max_abs_diff,
     reap,
@@ -21,6 +20,8 @@ from _trainer_helpers import (
     wait_all,
     weights,
 )
+
+from ddp_lab.dist import free_port
 
 # 330 samples: 2 x 16 -> 10 steps per epoch (a tail of 10 dropped), 2 epochs.
 FLAGS = ["--model", "mlp", "--train-size", "330", "--test-size", "50", "--seed", "3"]
