@@ -67,8 +67,11 @@ lab6: $(STAMP)  ## lab 6: a clean run vs one with a fault under --max-restarts=3
 bench: $(STAMP)  ## trainer vs plain PyTorch DDP (interleaved pairs), comm share, ring vs gloo (results/bench/)
 	$(PY) -m ddp_lab.bench $(BENCH_ARGS)
 
+# Jupyter refuses to start as root unless told; in a container (the usual case on clusters)
+# you are root, so the target says so and passes --allow-root.
 lab: $(STAMP)  ## JupyterLab (with nbgrader's extensions) on the course
-	$(VENV)/bin/jupyter lab
+	@if [ "$$(id -u)" = 0 ]; then echo "make lab: you are root (as in most containers): starting JupyterLab with --allow-root"; fi
+	$(VENV)/bin/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(JUPYTER_ARGS)
 
 time-labs: $(STAMP)  ## run every solution notebook top to bottom in a scratch copy, timed
 	$(PY) -m ddp_lab.grading.smoke $(TIME_LABS_ARGS)

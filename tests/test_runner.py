@@ -60,3 +60,42 @@ def test_visible_distributed_check_defers_to_the_grader_under_autograde(monkeypa
 def test_split_magics_turns_writefile_cells_into_files():
     assert runner.split_magics("%%writefile w.py\nprint(1)\n") == ("", {"w.py": "print(1)\n"})
     assert runner.split_magics("%time x = 1\ny = 2") == ("\ny = 2", {})
+
+
+@pytest.mark.timeout(120)
+def test_a_check_in_a_notebook_shows_one_readable_message_and_no_value():
+    """In a real kernel: a failed check's error output is its message alone, wrapped to lines
+    that nbgrader's Validate shows whole, with no frame of the checker; a passing check's
+    cell prints ``OK: ...`` once and has no ``Out[...]`` value (Validate reads one as a score)."""
+    import re
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("from selftest import lab00"),
+        nbformat.v4.new_code_cell("lab00.add(lambda a, b: a + b)"),
+        nbformat.v4.new_code_cell("lab00.add(lambda a, b: a - b)"),
+    ]
+    NotebookClient(nb, timeout=90, allow_errors=True, kernel_name="python3").execute()
+    ok, failed = nb.cells[1].outputs, nb.cells[2].outputs
+    assert [o.output_type for o in ok] == ["stream"], ok
+    assert ok[0].text.startswith("OK: add is right") and ok[0].text.count("OK:") == 1
+    (error,) = failed
+    assert error.output_type == "error" and error.ename == "CheckFailed"
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in error.traceback]
+    assert lines[0].startswith("CheckFailed: ") and "max abs difference" in "\n".join(lines)
+    assert " ".join(line.strip() for line in lines) == f"CheckFailed: {error.evalue}"
+    assert all(len(line) <= 80 for line in lines), lines
+    shown = "\n".join(lines)
+    assert "Traceback" not in shown and "ddp_lab" not in shown and "File " not in shown, shown
+
+
+def test_a_stub_of_several_functions_is_named_in_one_sentence():
+    def stub(*args):
+        raise NotImplementedError()
+
+    ex = lab00.EXERCISES[0]
+    with pytest.raises(CheckFailed, match=r"^add, save and load still raise NotImplementedError"):
+        runner.visible(lab00.LAB, ex.grade_id, functions={"add": stub, "save": stub, "load": stub})

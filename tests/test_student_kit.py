@@ -7,8 +7,11 @@
 - built from a fresh clone, the kit installs into its own venv with its own install
   command; there every released notebook's setup cell imports, and one visible test cell per
   lab runs and fails on the stub with its friendly message; JupyterLab shows the Validate
-  button and the assignment list (the labs in a local exchange) but not the instructor's
-  tools (formgrader, create assignment, course list).
+  button but not the instructor's tools (formgrader, create assignment, course list) nor
+  the Assignment List (students work in ``labs/``; ``make submit`` hands in that copy);
+- in that kit's JupyterLab, driven in headless Chromium, lab 1's first check on the stub and
+  on a wrong answer shows one readable message (no frame of the checker), and Validate lists
+  that failure whole.
 """
 
 from __future__ import annotations
@@ -86,7 +89,6 @@ def test_the_kit_holds_what_students_need_and_nothing_of_the_instructors(built):
         assert need in files, f"{need} is missing from the kit"
     for lab in kit.labs(ROOT):
         assert f"labs/{lab}/{lab}.ipynb" in files
-        assert f".exchange/ddp-lab/outbound/{lab}/{lab}.ipynb" in files
     assert not [
         f
         for f in files
@@ -117,46 +119,46 @@ def test_the_leak_check_finds_a_planted_answer_under_new_names(built, tmp_path):
     assert any("extra.py: imports ddp_lab.answers" in p for p in problems), problems
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_a_kit_from_a_fresh_clone_installs_and_runs_the_labs(tmp_path):
-    clone = tmp_path / "clone"
+@pytest.fixture(scope="module")
+def fresh_kit(tmp_path_factory) -> Path:
+    """The kit built from a fresh clone of this repository and installed with its own
+    ``make install`` (shared by the tests below: one install, a few minutes)."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    clone = tmp / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     made = run_tree(
-        [
-            sys.executable,
-            "-m",
-            "ddp_lab.grading.kit",
-            "--root",
-            str(clone),
-            "--out",
-            str(tmp_path / "dist"),
-        ],
+        [sys.executable, "-m", "ddp_lab.grading.kit", "--root", str(clone), "--out", str(tmp)],
         timeout=120,
     )
     assert made.returncode == 0, made.stdout + made.stderr
-    student = tmp_path / "dist" / kit.KIT_NAME
+    student = tmp / kit.KIT_NAME
     base = Path(sys.base_prefix) / "bin" / "python3"
     install = run_tree(["make", "-C", str(student), "install", f"PYTHON={base}"], timeout=1200)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     assert "BuildBackendWarning" not in install.stderr, "the first install is not clean"
+    return student
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_kit_from_a_fresh_clone_installs_and_runs_the_labs(fresh_kit):
+    student = fresh_kit
     bin_ = student / ".venv" / "bin"
     lab_ext = run_tree([str(bin_ / "jupyter"), "labextension", "list"], timeout=120)
     listing = lab_ext.stdout + lab_ext.stderr
-    for hidden in ("formgrader", "create-assignment", "course-list"):
+    for hidden in ("formgrader", "create-assignment", "course-list", "assignment-list"):
         assert f"@jupyter/nbgrader:{hidden}" in listing, listing  # listed as disabled
     server = run_tree([str(bin_ / "jupyter"), "server", "extension", "list"], timeout=120)
     text = server.stdout + server.stderr
     for name, state in (
         ("formgrader", "disabled"),
         ("validate_assignment", "enabled"),
-        ("assignment_list", "enabled"),
+        ("assignment_list", "disabled"),
     ):
         line = next(ln for ln in text.splitlines() if f"nbgrader.server_extensions.{name} " in ln)
         assert state in line, line
-    listed = run_tree([str(bin_ / "nbgrader"), "list"], timeout=120, cwd=str(student))
-    for lab in kit.labs(clone):
-        assert f"ddp-lab {lab}" in listed.stdout + listed.stderr, listed.stderr
+    assert not (student / ".exchange").exists(), "one working copy per lab: labs/, no exchange"
+    for lab in kit.labs(student):
         folder = student / "labs" / lab
         run = run_tree([str(bin_ / "python"), "-c", SMOKE, lab], timeout=300, cwd=str(folder))
         line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -167,3 +169,22 @@ def test_a_kit_from_a_fresh_clone_installs_and_runs_the_labs(tmp_path):
             result["check"].startswith("CheckFailed")
             and "finish this exercise first" in (result["check"])
         ), (lab, result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_student_sees_one_readable_message_in_jupyterlab(fresh_kit, tmp_path):
+    from _browser import student_session
+
+    with student_session(fresh_kit, tmp_path) as seen:
+        stub, wrong, dialog, menu = seen.stub, seen.wrong, seen.validate, seen.menu
+    for output in (stub, wrong):
+        assert output.startswith("CheckFailed: split_batch"), output
+        assert "Traceback" not in output and "ddp_lab/checks" not in output, output
+        assert max(map(len, output.splitlines())) <= 80, output  # Validate cuts longer lines
+    assert "finish this exercise first" in stub, stub
+    assert "finish this exercise first" not in wrong, wrong
+    assert "The following cell failed" in dialog and wrong in dialog, dialog
+    assert "ddp_lab/checks" not in dialog and "Traceback" not in dialog, dialog
+    for hidden in ("Formgrader", "Assignment List", "Course List"):
+        assert hidden not in menu, menu

@@ -9,13 +9,47 @@ with a message that says what was expected and what came back.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping
 
 import torch
 
+#: Longest line of a failure as the notebook shows it. nbgrader's Validate indents each line
+#: by 4 and cuts it past 87 characters (``Validator.width`` 90, minus 3), and its dialog does
+#: not wrap: shorter lines are shown whole.
+WIDTH = 80
+
 
 class CheckFailed(AssertionError):
-    """A check that did not hold; the message says what was expected and what came back."""
+    """A check that did not hold; the message says what was expected and what came back.
+
+    In a notebook it shows as that message alone, wrapped (IPython asks an exception for
+    ``_render_traceback_`` before it formats frames): the student reads what is wrong, not
+    the checker's source. It is still an error output, so nbgrader's Validate lists the cell.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        lines = render(str(self))
+        lines[0] = lines[0].replace("CheckFailed:", "\x1b[0;31mCheckFailed\x1b[0m:", 1)
+        return lines
+
+
+def render(message: str, name: str = "CheckFailed") -> list[str]:
+    """The lines of a failed check as a notebook shows them: ``name: message``, wrapped.
+
+    Example:
+        >>> render("expected 3 samples in shard 0, got 2")
+        ['CheckFailed: expected 3 samples in shard 0, got 2']
+        >>> [len(line) for line in render("word " * 40)]
+        [77, 76, 61]
+    """
+    lines: list[str] = []
+    for i, paragraph in enumerate(message.strip().splitlines() or [""]):
+        first = f"{name}: " if i == 0 else ""
+        lines += textwrap.wrap(
+            first + paragraph, WIDTH, subsequent_indent="  ", break_on_hyphens=False
+        ) or [""]
+    return lines
 
 
 def passed(message: str) -> None:

@@ -197,7 +197,7 @@ def visible(
     functions: Mapping[str, Callable] | None = None,
     folder: str | Path = ".",
     inputs: dict | None = None,
-) -> str:
+) -> None:
     """The visible check of a test cell: small fixed inputs -> the student's code -> judge.
 
     Args:
@@ -209,11 +209,13 @@ def visible(
         inputs: the inputs to use (default: ``visible_inputs`` drawn with
             :data:`VISIBLE_SEED`).
 
-    Returns:
-        The judge's success message (also printed as ``OK: ...``).
+    Prints the judge's success message as ``OK: ...`` and returns None: a test cell whose
+    last line is the check shows that line once, and gives nbgrader's Validate no output
+    value to read as a score.
 
     Raises:
-        CheckFailed: what is wrong, or why the check cannot run yet.
+        CheckFailed: what is wrong, or why the check cannot run yet (a code the exercise
+            refuses, too: shown in the notebook as one message, without the grader's frames).
     """
     ex = exercises(lab)[grade_id]
     if inputs is None:
@@ -224,9 +226,8 @@ def visible(
         workdir = Path(tmp)
         if ex.distributed:
             if grading():  # the grader runs the same ranks right after, outside the kernel
-                message = f"{ex.title}: run by the grader outside this kernel (see its verdict)"
-                print(message)
-                return message
+                print(f"{ex.title}: run by the grader outside this kernel (see its verdict)")
+                return
             if why := _unfinished(ex, folder):
                 raise CheckFailed(why)
             outputs = run_ranks(ex, lab, inputs, workdir, folder, ex.timeout)
@@ -234,21 +235,23 @@ def visible(
             try:
                 outputs = run_here(ex, functions or {}, inputs, workdir)
             except NotImplementedError:
-                names = ", ".join(functions or {}) or "your function"
+                names = list(functions or {}) or ["your function"]
+                who = " and ".join([", ".join(names[:-1]), names[-1]] if names[1:] else names)
+                verb = "raise" if names[1:] else "raises"
                 raise CheckFailed(
-                    f"{names} still raises NotImplementedError: finish this exercise first "
+                    f"{who} still {verb} NotImplementedError: finish this exercise first "
                     "(replace the stub by your code and run its cell)"
                 ) from None
-            except (CheckFailed, PermissionError):
+            except CheckFailed:
                 raise
+            except PermissionError as err:  # a call or module the exercise refuses
+                raise CheckFailed(str(err)) from None
             except Exception as err:  # noqa: BLE001 - the student's error, said in one line
                 raise CheckFailed(f"your code raised {type(err).__name__}: {err}") from None
         # what the grader saves and its judge loads: plain values only
         torch.save(outputs, workdir / "outputs.pt")
         outputs = torch.load(workdir / "outputs.pt", weights_only=True)
-    message = ex.judge(inputs, outputs)
-    passed(message)
-    return message
+    passed(ex.judge(inputs, outputs))
 
 
 def write_cells(workdir: Path, sources: Mapping[str, str], cells) -> None:

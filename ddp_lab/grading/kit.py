@@ -8,9 +8,10 @@ and ``DIR/ddp-lab-student-kit.tar.gz`` (default ``DIR``: ``dist/``), holding
   ``make lab3`` and the trainer use), that is everything but :data:`INSTRUCTOR_ONLY`;
 - ``cluster/``: the SLURM templates;
 - ``README.md``, ``Makefile``, ``nbgrader_config.py`` for students (``kit_files/``), the
-  pins (``pyproject.toml``, ``constraints.txt``) and a student ``environment.yml``;
-- ``.exchange/``: the labs released into a local nbgrader exchange, so that JupyterLab's
-  Assignment List shows them on a laptop.
+  pins (``pyproject.toml``, ``constraints.txt``) and a student ``environment.yml``.
+
+No nbgrader exchange: a student has one working copy of each lab, in ``labs/``, and
+``make submit`` hands in that copy.
 
 Then it checks the kit (:func:`leaks`) and refuses to finish when it finds any of: a file
 of ``solutions/``, ``tests/`` or the instructor-only part (by path or by content); a kit
@@ -45,7 +46,7 @@ LEAK_AT = 0.25
 #: Top-level files copied as they are.
 COPIED = ("pyproject.toml", "constraints.txt", "LICENSE")
 #: Pins students do not need (developer tools).
-DEV_ONLY = ("pytest", "pytest-timeout", "pytest-xdist", "ruff")
+DEV_ONLY = ("playwright", "pytest", "pytest-timeout", "pytest-xdist", "ruff")
 #: The kit's own README, Makefile and nbgrader config, relative to the repository root.
 FILES = Path("ddp_lab") / "grading" / "kit_files"
 _SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
@@ -90,10 +91,8 @@ def build(root: Path, out: Path) -> Path:
         shutil.copy2(root / rel, kit / rel)
     for lab in labs(root):
         notebook = root / "labs" / lab / f"{lab}.ipynb"
-        for dest in (kit / "labs" / lab, kit / ".exchange" / "ddp-lab" / "outbound" / lab):
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(notebook, dest / notebook.name)
-    (kit / ".exchange" / "ddp-lab" / "inbound").mkdir(parents=True)
+        (kit / "labs" / lab).mkdir(parents=True)
+        shutil.copy2(notebook, kit / "labs" / lab / notebook.name)
     if (root / "cluster").is_dir():
         shutil.copytree(root / "cluster", kit / "cluster")
     for name in COPIED:
