@@ -7,8 +7,16 @@ sweep (1, 2, 4, ... processes up to every GPU; 1 and 2 on a CPU) and writes, und
 ``--out`` (default ``results/lab3``)::
 
     np1/ np2/ ...        each run's summary.json, metrics.jsonl, model.pt
-    scaling.json         processes, samples/s, speed-up and efficiency per run
-    scaling.png          the plot the lab03 notebook shows
+    scaling.json         processes, samples/s, speed-up, efficiency, lr, warm-up and test
+                         accuracy per run
+    scaling.png          the plot the lab03 notebook shows: throughput, efficiency, accuracy
+
+N processes with a batch of b each train with a global batch of N b, so an epoch takes N
+times fewer optimizer steps. With the same learning rate the N-process run then learns less
+per epoch, and its accuracy says nothing about DDP. The sweep follows the linear scaling
+rule with warm-up (Goyal et al., 2017, "Accurate, Large Minibatch SGD"): N processes use N
+times the 1-process rate, reached by a linear warm-up over the first tenth of the run
+(``--lr-scaling none`` keeps one rate for every run).
 
 Inside a SLURM allocation of 2 or more nodes (``sbatch cluster/lab3.sbatch``, or ``make
 lab3`` inside ``salloc``) it runs one training across the allocation instead: ``srun``
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -57,6 +66,8 @@ from ddp_lab.errors import UsageError, exit_on_usage_error
 from ddp_lab.labrun import lab_parser, plan_hardware, read_summary, train
 
 PROG = "ddp_lab.lab3"
+#: Training images of CIFAR-10.
+CIFAR10_TRAIN = 50_000
 #: Rendezvous ports of SLURM jobs: below Linux's ephemeral range (32768-60999), so that no
 #: outgoing connection holds one; two jobs share a port only if their ids differ by 10000k.
 PORT_BASE, PORT_SPAN = 20000, 10000
@@ -97,8 +108,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=600,
         help="allocation run: seconds the agents wait for each other (c10d join_timeout)",
     )
+    p.add_argument("--lr", type=float, default=0.05, help="the 1-process learning rate")
+    p.add_argument(
+        "--lr-scaling",
+        choices=["linear", "none"],
+        default="linear",
+        help="linear: N processes use N x --lr after a warm-up over a tenth of the run (the "
+        "linear scaling rule); none: --lr for every run",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     return p
+
+
+def scaled_lr(lr: float, processes: int, run_steps: int, scaling: str) -> tuple[float, int]:
+    """``(learning rate, warm-up steps)`` of a run on ``processes`` processes.
+
+    With the linear scaling rule the global batch grows with the processes and so does the
+    rate, reached by a linear warm-up over the first tenth of the run's ``run_steps``; one
+    process (or ``scaling="none"``) uses ``lr`` from the first step.
+
+    Example:
+        >>> scaled_lr(0.05, 1, 312, "linear"), scaled_lr(0.05, 2, 156, "linear")
+        ((0.05, 0), (0.1, 15))
+        >>> scaled_lr(0.05, 4, 78, "none")
+        (0.05, 0)
+    """
+    if scaling == "none" or processes == 1:
+        return lr, 0
+    return lr * processes, max(1, run_steps // 10)
 
 
 def pick_dataset(args: argparse.Namespace, data_dir: str) -> tuple[str, str]:
@@ -345,6 +382,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     model = args.model or ("resnet18" if gpu else "cnn")
     batch = args.batch_size or (128 if gpu else 32)
     steps = args.max_steps or (200 if gpu else None)
+    train_samples = args.train_size if dataset == "synthetic" else CIFAR10_TRAIN
     print(f"{PROG}: {hw_reason}", flush=True)
     print(f"{PROG}: dataset {dataset}: {data_reason}", flush=True)
     print(
@@ -352,6 +390,19 @@ def run_sweep(args: argparse.Namespace) -> int:
         f"process(es); results in {out_dir}/",
         flush=True,
     )
+    if args.lr_scaling == "linear":
+        print(
+            f"{PROG}: N processes train with N x the batch, so with N x lr {args.lr:g} after a "
+            "warm-up over a tenth of the run (the linear scaling rule): accuracies compare "
+            "fairly (--lr-scaling none: one rate for all)",
+            flush=True,
+        )
+    else:
+        print(
+            f"{PROG}: every run at lr {args.lr:g} (--lr-scaling none): N processes take N "
+            "times fewer steps per epoch with it, so expect lower accuracy per epoch",
+            flush=True,
+        )
     if args.dry_run:
         return 0
 
@@ -364,14 +415,20 @@ def run_sweep(args: argparse.Namespace) -> int:
         flags += ["--backend", backend, "--out", out, "--no-progress"]
         if steps:
             flags += ["--max-steps", str(steps)]
-        print(f"{PROG}: training with {n} process(es) ...", flush=True)
+        run_steps = steps or math.ceil(train_samples / (batch * n))
+        lr, warmup = scaled_lr(args.lr, n, run_steps, args.lr_scaling)
+        flags += ["--lr", f"{lr:g}", "--warmup-steps", str(warmup)]
+        print(f"{PROG}: training with {n} process(es) at lr {lr:g} ...", flush=True)
         train(f"{n}-process", flags, n, args.timeout)
         s = read_summary(out)
-        keep = ("samples_per_s", "seconds", "accuracy", "steps")
-        records.append({"processes": n, **{k: s[k] for k in keep}})
+        keep = ("samples_per_s", "seconds", "accuracy", "steps", "global_batch")
+        records.append(
+            {"processes": n, "lr": lr, "warmup_steps": warmup, **{k: s[k] for k in keep}}
+        )
         print(
             f"{PROG}:   {n} process(es): {s['samples_per_s']:.0f} samples/s, "
-            f"test accuracy {s['accuracy']:.3f}, {s['seconds']:.1f} s",
+            f"test accuracy {s['accuracy']:.3f} after {s['steps']} steps of "
+            f"{s['global_batch']} samples, {s['seconds']:.1f} s",
             flush=True,
         )
     base = records[0]["samples_per_s"] / records[0]["processes"]
@@ -385,6 +442,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         "dataset": dataset,
         "model": model,
         "batch_per_process": batch,
+        "lr_scaling": args.lr_scaling,
         "hardware_reason": hw_reason,
         "dataset_reason": data_reason,
         "runs": records,
@@ -398,6 +456,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         [r["samples_per_s"] for r in records],
         title=f"{model} on {dataset}, {backend} ({where})",
         path=os.path.join(out_dir, "scaling.png"),
+        accuracy=[r["accuracy"] for r in records],
+        lrs=[r["lr"] for r in records],
     )
     top = records[-1]
     print(

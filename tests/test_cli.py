@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _harness import run_trainer
+from _harness import REPO, run_trainer
 
 COURSE_FLAGS = [
     "--dataset",
@@ -163,3 +163,42 @@ def test_fault_flags_reach_the_trainer_through_torchrun(tmp_path):
     assert proc.returncode != 0
     assert "[rank 0] injected fault at step 2" in proc.stderr
     assert "unrecognized arguments" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_make_lab_starts_jupyterlab_as_root_too(tmp_path):
+    """``make lab`` as root (the usual case in a container) says so and passes
+    ``--allow-root``; Jupyter refuses to start without it. The server answers, then stops."""
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from ddp_lab.dist import free_port
+
+    port = free_port()
+    args = f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.token=t"
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    proc = subprocess.Popen(
+        ["make", "--no-print-directory", "-C", str(REPO), "lab", f"JUPYTER_ARGS={args}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline, answered = time.monotonic() + 90, False
+        while time.monotonic() < deadline and proc.poll() is None and not answered:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=t", timeout=5)
+                answered = True
+            except OSError:
+                time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert answered, out
+    assert ("--allow-root" in out) == (os.geteuid() == 0), out
+    assert "Running as root is not recommended" not in out, out

@@ -82,3 +82,34 @@ def test_lab5_figure_draws_curves_and_ratios():
         "test",
     )
     assert len(fig.axes) == 2
+
+
+def test_lab3_scales_the_learning_rate_with_the_processes():
+    """The linear scaling rule: N processes (N times the global batch, N times fewer steps per
+    epoch) use N times the rate after a warm-up over a tenth of the run; one process and
+    ``--lr-scaling none`` use the rate as given."""
+    assert lab3.scaled_lr(0.05, 1, 313, "linear") == (0.05, 0)
+    assert lab3.scaled_lr(0.05, 2, 157, "linear") == (0.1, 15)
+    assert lab3.scaled_lr(0.05, 8, 5, "linear") == (0.4, 1)
+    assert lab3.scaled_lr(0.05, 4, 100, "none") == (0.05, 0)
+    args = lab3.build_parser().parse_args([])
+    assert (args.lr, args.lr_scaling) == (0.05, "linear")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_make_lab3_compares_accuracy_at_scaled_learning_rates(tmp_path, capsys):
+    out = tmp_path / "lab3"
+    argv = ["--max-procs", "2", "--dataset", "synthetic", "--train-size", "640", "--out", str(out)]
+    assert lab3.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "linear scaling rule" in said and "test accuracy" in said, said
+    import json
+
+    result = json.loads((out / "scaling.json").read_text())
+    one, two = result["runs"]
+    assert (one["processes"], one["lr"], one["warmup_steps"]) == (1, 0.05, 0)
+    assert (two["processes"], two["lr"], two["warmup_steps"]) == (2, 0.1, 1)
+    assert two["global_batch"] == 2 * one["global_batch"] and two["steps"] == 10
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in (one, two))
+    assert (out / "scaling.png").stat().st_size > 0
