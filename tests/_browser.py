@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,9 @@ class Seen:
     wrong: str
     validate: str
     menu: str
+    #: HTTP status of the instructor's and the exchange's pages: 404 when they are off.
+    formgrader: int
+    assignment_list: int
 
 
 def _wrong_notebook(folder: Path) -> str:
@@ -67,6 +71,14 @@ def _wrong_notebook(folder: Path) -> str:
     cell["source"] = source.replace(STUB, WRONG)
     (folder / "wrong.ipynb").write_text(json.dumps(nb))
     return "wrong.ipynb"
+
+
+def _status(port: int, path: str) -> int:
+    try:
+        url = f"http://127.0.0.1:{port}/{path}?token={TOKEN}"
+        return urllib.request.urlopen(url, timeout=10).status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def _wait_for_server(port: int, server: subprocess.Popen, timeout: float = 120) -> None:
@@ -211,7 +223,9 @@ def student_session(kit: Path, tmp: Path):
             dialog = _validate(page, shots)
             menu = _nbgrader_menu(page, shots)
             browser.close()
-        yield Seen(stub=stub, wrong=wrong_out, validate=dialog, menu=menu)
+        pages = {"formgrader": _status(port, "formgrader")}
+        pages["assignment_list"] = _status(port, "assignments")
+        yield Seen(stub=stub, wrong=wrong_out, validate=dialog, menu=menu, **pages)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
