@@ -392,9 +392,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     )
     if args.lr_scaling == "linear":
         print(
-            f"{PROG}: N processes train with N x the batch, so with N x lr {args.lr:g} after a "
-            "warm-up over a tenth of the run (the linear scaling rule): accuracies compare "
-            "fairly (--lr-scaling none: one rate for all)",
+            f"{PROG}: every run sees the same samples; N processes take N times fewer steps of "
+            f"N times the batch, so they use N x lr {args.lr:g} after a warm-up over a tenth of "
+            "the run (the linear scaling rule; --lr-scaling none: one rate for all)",
             flush=True,
         )
     else:
@@ -460,9 +460,12 @@ def run_sweep(args: argparse.Namespace) -> int:
         lrs=[r["lr"] for r in records],
     )
     top = records[-1]
+    first = records[0]
     print(
         f"{PROG}: {top['processes']} process(es) ran at {top['speedup']:.2f}x the 1-process "
-        f"throughput (efficiency {top['efficiency']:.0%}); see {out_dir}/scaling.png",
+        f"throughput (efficiency {top['efficiency']:.0%}) and reached test accuracy "
+        f"{top['accuracy']:.3f} against {first['accuracy']:.3f} in {top['steps']} steps "
+        f"against {first['steps']}; see {out_dir}/scaling.png",
         flush=True,
     )
     return 0
