@@ -123,8 +123,12 @@ def _whole_tensors(xs):
     return [total.clone() for _ in xs], sent
 
 
+NOTHING = object()  # a ring that returned None
+
+
 def _ring_outputs(inputs: dict, answer) -> dict:
-    """``answer(xs) -> (afters, sent, returns)`` for every tensor of every run."""
+    """``answer(xs) -> (afters, sent, returns)`` for every tensor of every run; a return of
+    None stands for ``tensor`` itself, ``NOTHING`` for a function that returned nothing."""
 
     def per_run(run):
         n = run["ranks"]
@@ -132,7 +136,15 @@ def _ring_outputs(inputs: dict, answer) -> dict:
         for j in range(len(run["data"][0])):
             afters, sent, returns = answer([run["data"][r][j] for r in range(n)])
             for r in range(n):
-                outs[r].append({"after": afters[r], "returned": returns[r], "sent": sent[r]})
+                back = returns[r]
+                outs[r].append(
+                    {
+                        "after": afters[r],
+                        "returned": None if back is NOTHING else back,
+                        "itself": back is None,
+                        "sent": sent[r],
+                    }
+                )
         return outs
 
     return _job(inputs, per_run)
@@ -161,6 +173,11 @@ RING_WRONGS = {
         _right_sent(xs),
         [None] * len(xs),
     ),
+    "returns nothing": lambda xs: (
+        [torch.stack(xs).sum(0) for _ in xs],
+        _right_sent(xs),
+        [NOTHING] * len(xs),
+    ),
     "returned only": lambda xs: (
         [x.clone() for x in xs],
         _right_sent(xs),
@@ -173,6 +190,7 @@ RING_SAYS = {
     "whole tensors": r"sent \d+ elements in all.*2\(n - 1\)/n.*more than a ring needs",
     "average": "must SUM",
     "returned only": "in place",
+    "returns nothing": r"returned something other than `tensor` itself on rank\(s\) \[0, 1\]",
 }
 
 
@@ -462,7 +480,7 @@ def test_visible_model_check_passes_the_solution_and_explains_mistakes(capsys):
 
 def test_visible_model_check_asks_to_finish_the_exercise_first():
     stub = namespace(RELEASED, ["ex4_cost_model"])
-    with pytest.raises(CheckFailed, match="still raises NotImplementedError: finish"):
+    with pytest.raises(CheckFailed, match=r"still raises? NotImplementedError: finish"):
         checks.cost_model(stub["ring_time"], stub["server_time"], stub["fit_alpha_beta"])
 
 

@@ -27,10 +27,16 @@ from _lab03_sim import (
 
 from ddp_lab.answers.lab03 import references as ref
 from ddp_lab.answers.lab03.mistakes import FORGED_FILES, MISTAKES, MORE_MISTAKES, REFUSED
-from ddp_lab.answers.lab03.wrong_sources import bucketed, ddp_train, lr_at, my_ddp, sampler
+from ddp_lab.answers.lab03.wrong_sources import (
+    bucketed,
+    ddp_train,
+    my_ddp,
+    sampler,
+    warmup_steps_for,
+)
 from ddp_lab.checks import lab03 as checks
 from ddp_lab.checks.failure import CheckFailed
-from ddp_lab.checks.lab03 import ex1_shard_sampler, ex5_bucketed_ddp
+from ddp_lab.checks.lab03 import ex1_shard_sampler, ex5_bucketed_ddp, ex6_warmup_steps
 from ddp_lab.checks.runner import split_magics
 
 PROPERTY_SEEDS = range(200)
@@ -63,7 +69,7 @@ def _inputs(grade_id: str, seed: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("cell", ["ex1_shard_sampler", "ex6_lr_at"])
+@pytest.mark.parametrize("cell", ["ex1_shard_sampler", "ex6_warmup_steps"])
 def test_property_pure_function_verdicts_do_not_depend_on_the_draw(cell, tmp_path):
     """200 draws: the solution passes the grader's judge; every mistake of the exercise fails
     it, with its own diagnosis."""
@@ -104,7 +110,10 @@ def test_the_reference_sampler_is_torchs_distributed_sampler():
 @pytest.mark.timeout(60)
 def test_the_mistake_builders_give_right_answers_by_default(tmp_path):
     """The builders behind the typical mistakes are sound: their defaults pass."""
-    for gid, source in (("test_ex1_shard_sampler", sampler()), ("test_ex6_lr_at", lr_at())):
+    for gid, source in (
+        ("test_ex1_shard_sampler", sampler()),
+        ("test_ex6_warmup_steps", warmup_steps_for()),
+    ):
         ex = EXERCISES[gid]
         for seed in range(5):
             inputs = _inputs(gid, seed)
@@ -116,15 +125,16 @@ def test_the_mistake_builders_give_right_answers_by_default(tmp_path):
 @pytest.mark.timeout(60)
 def test_visible_pure_function_checks_pass_fail_and_refuse_stubs(capsys):
     sol1 = _ns(solution_sources(LAB)["ex1_shard_sampler"])["MySampler"]
-    sol6 = _ns(solution_sources(LAB)["ex6_lr_at"])["lr_at"]
+    sol6 = _ns(solution_sources(LAB)["ex6_warmup_steps"])["warmup_steps_for"]
     checks.shard_sampler(sol1)
-    checks.lr_at(sol6)
+    checks.warmup_steps_for(sol6)
     out = capsys.readouterr().out
-    assert "OK: the shards of DistributedSampler" in out and "OK: lr_at keeps" in out
+    assert "OK: the shards of DistributedSampler" in out
+    assert "OK: warmup_steps_for gives the shortest warm-up" in out
     with pytest.raises(CheckFailed, match="epoch 1 reads exactly what epoch 0 read"):
         checks.shard_sampler(_ns(_mistakes("ex1_shard_sampler")[0].source)["MySampler"])
-    with pytest.raises(CheckFailed, match="proportional to the global batch"):
-        checks.lr_at(_ns(_mistakes("ex6_lr_at")[0].source)["lr_at"])
+    with pytest.raises(CheckFailed, match=r"raises the rate by 1\.25 x base_lr"):
+        checks.warmup_steps_for(_ns(_mistakes("ex6_warmup_steps")[0].source)["warmup_steps_for"])
 
     class Stub:
         def __init__(self, *args, **kwargs):
@@ -142,7 +152,7 @@ def test_visible_pure_function_checks_pass_fail_and_refuse_stubs(capsys):
     with pytest.raises(CheckFailed, match="finish this exercise first"):
         checks.shard_sampler(Stub)
     with pytest.raises(CheckFailed, match="finish this exercise first"):
-        checks.lr_at(stub)
+        checks.warmup_steps_for(stub)
 
 
 # --------------------------------------------------------------------------- ex2, simulated
@@ -301,8 +311,17 @@ def test_every_draw_holds_every_edge_case():
         counts = [len(ex5_bucketed_ddp.expected_buckets(r)) for r in runs if "cap_bytes" in r]
         assert counts[0] >= 3 and counts[1] == 1 and counts[2] >= 2
         assert {r["dtype"] for r in runs if "dtype" in r} == {"float32", "float64"}
-        warmups = [s["warmup_steps"] for s in _inputs("test_ex6_lr_at", seed)["setups"]]
-        assert 0 in warmups and 1 in warmups and max(warmups) > 2
+        calls = _inputs("test_ex6_warmup_steps", seed)["calls"]
+        ratios = [ex6_warmup_steps.global_batch(c) / c["base_batch"] for c in calls]
+        assert any(r > 1 and r == int(r) for r in ratios), "an integer ratio"
+        assert any(r > 1 and 0 < r - int(r) < 0.5 for r in ratios), "a fraction below 1/2"
+        assert any(r > 1 and r - int(r) > 0.5 for r in ratios), "a fraction above 1/2"
+        assert 1.0 in ratios and any(r < 1 for r in ratios)
+        samples = [(c["warmup_samples"], ex6_warmup_steps.global_batch(c)) for c in calls]
+        assert any(s == 0 for s, _ in samples) and any(s and s % g for s, g in samples)
+        assert any(s and s % g == 0 for s, g in samples)
+        assert {2, 3} <= {c["world_size"] for c in calls}
+        assert any(c["accum_steps"] > 1 for c in calls)
 
 
 # --------------------------------------------------------------------------- real gloo groups

@@ -17,7 +17,7 @@ from _harness import lab_notebook, solution_sources
 
 from ddp_lab.answers.lab03 import references as ref
 from ddp_lab.checks.lab03 import ex5_bucketed_ddp as ex5
-from ddp_lab.checks.lab03 import ex6_lr_at as ex6
+from ddp_lab.checks.lab03 import ex6_warmup_steps as ex6
 from ddp_lab.checks.lab03 import fake_node, own_ddp
 from ddp_lab.checks.lab03.network import SlowBackwardNet, SlowNetwork, best_steps
 from ddp_lab.checks.runner import split_magics
@@ -128,7 +128,7 @@ def test_torchs_bucketing_routine_is_the_rule_the_lab_states():
             assert ex5.buckets(sizes, item, cap) == want, (sizes, cap, dtype)
 
 
-def test_the_trainers_warmup_is_lr_ats_ramp():
+def test_the_trainers_warmup_is_the_oracles_ramp():
     for warmup in (0, 1, 2, 7, 50):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         from ddp_lab.optim import warmup_schedule
@@ -140,6 +140,22 @@ def test_the_trainers_warmup_is_lr_ats_ramp():
             assert math.isclose(lr, ref.expected_lr_at(step, 1.0, 8, 8, 1, 1, warmup))
             opt.step()
             sched.step()
+
+
+def test_the_shortest_warmup_is_the_oracles_and_the_reference_agrees():
+    """The reference's formula against a search over the trainer's ramp, on many calls."""
+    for base in (16, 32, 128):
+        for batch in (1, 5, 16, 40, 64):
+            for world in (1, 2, 3, 8):
+                for accum in (1, 3):
+                    for samples in (0, 1, 100, 5 * batch * world * accum, 12345):
+                        call = {"base_batch": base, "batch_size": batch, "world_size": world}
+                        call.update(accum_steps=accum, warmup_samples=samples)
+                        want = ref.expected_warmup_steps(**call)
+                        assert ex6.gentle(call, want) and ex6.long_enough(call, want), call
+                        if want:
+                            below = want - 1
+                            assert not (ex6.gentle(call, below) and ex6.long_enough(call, below))
 
 
 # --- the notebook ----------------------------------------------------------------------------
@@ -158,7 +174,7 @@ def test_points_and_notebook_shape():
         "test_ex3_evaluate": 2,
         "test_ex4_my_ddp": 3,
         "test_ex5_bucketed_ddp": 4,
-        "test_ex6_lr_at": 1,
+        "test_ex6_warmup_steps": 1,
     }
     written = {
         nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in cells if is_written(c)
@@ -172,7 +188,8 @@ def test_points_and_notebook_shape():
 def test_the_notebook_states_the_facts():
     text = _text()
     for fact in (
-        "broadcast_buffers=True",  # buffers before every forward, not only at wrap time
+        "forward_sync_buffers=True",  # buffers before every forward, not only at wrap time
+        "1 MiB (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`)",  # the first bucket
         "30 minutes by default with gloo, 10",  # the timeouts
         "--warmup-steps",  # the trainer's warm-up, shown
         "Adam",  # the limits of the linear rule
@@ -237,10 +254,10 @@ def test_demonstrations_ask_for_the_unfinished_exercise(tmp_path, monkeypatch):
         (tmp_path / name).write_text(stub)
     assert "finish exercises 4 and 5 first" in _run_cells(["overlap_run"], ns)
 
-    def lr_at(*args, **kwargs):
+    def warmup_steps_for(*args, **kwargs):
         raise NotImplementedError()
 
-    ns["lr_at"] = lr_at
+    ns["warmup_steps_for"] = warmup_steps_for
     assert "finish exercise 6 first" in _run_cells(["fig_lr"], ns)
     assert not dist.is_initialized()
 
@@ -263,20 +280,22 @@ def test_the_overlap_demonstration_draws_the_students_wrappers(tmp_path, monkeyp
     )
 
 
-def test_the_learning_rate_figure_draws_the_students_function():
+def test_the_learning_rate_figure_draws_the_students_warmups():
     from ddp_lab.figures import lab03 as figures
 
     calls = []
 
-    def lr_at(step, base_lr, base_batch, batch_size, world_size, accum_steps=1, warmup_steps=0):
+    def warmup_steps_for(base_batch, batch_size, world_size, accum_steps=1, warmup_samples=0):
         calls.append(world_size)
-        return base_lr * world_size
+        return world_size
 
-    fig = figures.lr_schedules(lr_at, 0.1, 32, 32, [1, 2, 4], 5, 10, logged={2: [(1, 0.1)]})
-    assert sorted(set(calls)) == [1, 2, 4] and len(fig.axes[0].lines) == 3 + 1
+    fig = figures.warmup_schedules(warmup_steps_for, 0.1, 32, 32, [1, 2, 4], 10, {2: [(1, 0.1)]})
+    assert sorted(set(calls)) == [1, 2, 4] and len(fig.axes[0].lines) == 3
+    rates = fig.axes[0].lines[2].get_ydata()
+    assert math.isclose(rates[0], 0.1) and math.isclose(rates[3], 0.4), "4 steps to 4 x 0.1"
 
     def stub(*args, **kwargs):
         raise NotImplementedError()
 
     with pytest.raises(NotImplementedError):
-        figures.lr_schedules(stub, 0.1, 32, 32, [1], 5, 10)
+        figures.warmup_schedules(stub, 0.1, 32, 32, [1], 10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
+import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from torch.utils.data import DistributedSampler
@@ -23,6 +24,7 @@ from ddp_lab.figures.style import COLORS, GREY
 from ddp_lab.figures.style import arrow as _arrow
 from ddp_lab.figures.style import box as _box
 from ddp_lab.figures.style import done as _done
+from ddp_lab.optim import warmup_schedule
 
 LIGHT = "#E5E5E5"
 
@@ -319,26 +321,26 @@ def scaling(processes: Sequence[int], samples_per_s: Sequence[float], title: str
     return fig
 
 
-def lr_schedules(
-    lr_at: Callable,
+def warmup_schedules(
+    warmup_steps_for: Callable,
     base_lr: float,
     base_batch: int,
     batch_size: int,
     worlds: Sequence[int],
-    warmup_steps: int,
     total_steps: int,
     logged: Mapping[int, Sequence[tuple[int, float]]] | None = None,
 ) -> Figure:
-    """Your learning rate over the first steps for several world sizes, and the trainer's.
+    """The trainer's learning rate over the first steps for several world sizes, each
+    warmed up for as many steps as your ``warmup_steps_for`` says, and the rates the trainer
+    logged.
 
     Args:
-        lr_at: your ``lr_at(step, base_lr, base_batch, batch_size, world_size, accum_steps,
-            warmup_steps)``.
+        warmup_steps_for: your ``warmup_steps_for(base_batch, batch_size, world_size,
+            accum_steps, warmup_samples)`` (called with no accumulation and no samples).
         base_lr: the rate tuned for ``base_batch`` samples a step.
         base_batch: that global batch.
         batch_size: samples per process.
         worlds: process counts to draw.
-        warmup_steps: length of the warm-up.
         total_steps: steps drawn.
         logged: ``processes -> [(step, lr), ...]`` that the trainer logged (drawn as dots).
 
@@ -346,19 +348,21 @@ def lr_schedules(
         NotImplementedError: your function is still the stub.
 
     Example:
-        >>> flat = lambda step, base_lr, *args, **kw: base_lr
-        >>> len(lr_schedules(flat, 0.1, 32, 32, [1, 2], 10, 20).axes)
+        >>> two = lambda *args, **kw: 2
+        >>> len(warmup_schedules(two, 0.1, 32, 32, [1, 2], 20).axes)
         1
     """
     steps = range(1, total_steps + 1)
     fig, ax = plt.subplots(figsize=(9, 3.0))
     for k, w in enumerate(worlds):
-        curve = [
-            lr_at(s, base_lr, base_batch, batch_size, w, accum_steps=1, warmup_steps=warmup_steps)
-            for s in steps
-        ]
-        label = f"lr_at, {w} process(es): global batch {w * batch_size}"
-        ax.plot(steps, curve, color=COLORS[k % len(COLORS)], label=label)
+        warmup = warmup_steps_for(base_batch, batch_size, w, accum_steps=1, warmup_samples=0)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        factor = warmup_schedule(opt, int(warmup)).lr_lambdas[0]
+        peak = base_lr * w * batch_size / base_batch  # the linear scaling rule
+        curve = [peak * factor(s - 1) for s in steps]
+        color = COLORS[k % len(COLORS)]
+        label = f"{w} process(es): global batch {w * batch_size}, warm-up {warmup} step(s)"
+        ax.plot(steps, curve, color=color, marker=".", ms=4, label=label)
     for k, (w, points) in enumerate(sorted((logged or {}).items())):
         if points:
             xs, ys = zip(*points, strict=True)
@@ -369,19 +373,13 @@ def lr_schedules(
                 color="black",
                 marker="o" if k == 0 else "x",
                 zorder=3,
-                label=f"trainer's logged lr, {w} process(es)",
+                label=f"trainer's logged lr, {w} process(es) (--warmup-steps 8)",
             )
-    ax.axvline(warmup_steps, color=GREY, ls="--", lw=1)
-    ax.text(
-        warmup_steps,
-        0.6,
-        " end of warm-up",
-        transform=ax.get_xaxis_transform(),
-        fontsize=8,
-        color=GREY,
-    )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
-    ax.set_title("Your lr_at: linear scaling with a warm-up, and the trainer's", fontsize=10)
+    ax.set_title(
+        f"Linear scaling with your warm-ups: no step rises by more than base_lr = {base_lr:g}",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return _done(fig)

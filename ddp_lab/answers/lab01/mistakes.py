@@ -2,13 +2,15 @@
 
 Each source replaces the whole solution cell (imports as in the release), written the way a
 student would write it. The first mistake of each exercise is the one the sample class's
-``mistake`` student submits. Exercises 4 and 5 keep theirs in
+``mistake`` student submits. Exercise 3 keeps its own in
+:mod:`ddp_lab.answers.lab01.mistakes_forward`, exercises 4 and 5 theirs in
 :mod:`ddp_lab.answers.lab01.mistakes_stats_cost`.
 """
 
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab01.mistakes_forward import EX3
 from ddp_lab.answers.lab01.mistakes_stats_cost import EX4, EX5
 
 _EX1 = [
@@ -39,14 +41,14 @@ def split_batch(x, y, n):
     ),
     Mistake(
         "ex1_split_batch",
-        "last_shard_takes_the_remainder",
+        "last_shard_takes_the_remainder",  # a remainder of 1: balanced, but the last shard
         """
 def split_batch(x, y, n):
     size = x.shape[0] // n
     bounds = [k * size for k in range(n)] + [x.shape[0]]
     return [(x[s:e], y[s:e]) for s, e in zip(bounds, bounds[1:])]
 """,
-        "differ by more than one",
+        "take one sample more",
     ),
     Mistake(
         "ex1_split_batch",
@@ -96,6 +98,31 @@ def split_batch(x, y, n):
     return [(x[p], y[p]) for p in parts]
 """,
         "get an empty shard",
+    ),
+    Mistake(
+        "ex1_split_batch",
+        "remainder_at_the_end",  # sizes within one, but the first shards are the short ones
+        """
+def split_batch(x, y, n):
+    b = x.shape[0]
+    bounds = [k * b // n for k in range(n + 1)]
+    return [(x[s:e], y[s:e]) for s, e in zip(bounds, bounds[1:])]
+""",
+        "take one sample more",
+    ),
+    Mistake(
+        "ex1_split_batch",
+        "extra_samples_to_the_last_shards",  # with n > B the first shards come out empty
+        """
+import torch
+
+
+def split_batch(x, y, n):
+    base, extra = divmod(x.shape[0], n)
+    sizes = [base + 1 if k >= n - extra else base for k in range(n)]
+    return list(zip(torch.split(x, sizes), torch.split(y, sizes)))
+""",
+        "empty shards are the last ones",
     ),
 ]
 
@@ -310,135 +337,36 @@ def data_parallel_step(model, shards, loss_fn, lr):
 """,
         "still holds the gradient the model arrived with",
     ),
-]
-
-_EX3 = [
     Mistake(
-        "ex3_data_parallel_forward",
-        "deepcopy_replicas",  # outputs right, but module never receives a gradient
-        """
-import copy
-import threading
-
-import torch
-
-
-def data_parallel_forward(module, x, n):
-    chunks = x.chunk(n)
-    copies = [copy.deepcopy(module) for _ in chunks]
-    results = {}
-
-    def run(i):
-        results[i] = copies[i](chunks[i])
-
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(chunks))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return torch.cat([results[i] for i in range(len(chunks))])
-""",
-        "not connected to module's in autograd",
-    ),
-    Mistake(
-        "ex3_data_parallel_forward",
-        "one_thread",
+        "ex2_data_parallel_step",
+        "returns_the_loss_as_a_tensor",  # right numbers, but a tensor where a float is promised
         """
 import copy
 
 import torch
 
 
-def data_parallel_forward(module, x, n):
-    outs = []
-    for piece in torch.chunk(x, n):
-        replica = copy.deepcopy(module)
-        weights = {name: w.clone() for name, w in module.named_parameters()}
-        outs.append(torch.func.functional_call(replica, weights, (piece,)))
-    return torch.cat(outs)
+def data_parallel_step(model, shards, loss_fn, lr):
+    total = sum(len(yk) for _, yk in shards)
+    summed = [torch.zeros_like(p) for p in model.parameters()]
+    loss = torch.zeros(())
+    for xk, yk in shards:
+        if len(yk) == 0:
+            continue
+        replica = copy.deepcopy(model)
+        part = loss_fn(replica(xk), yk) * (len(yk) / total)
+        part.backward()
+        loss = loss + part.detach()
+        for acc, p in zip(summed, replica.parameters()):
+            acc += p.grad
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), summed):
+            p.grad = g
+            p -= lr * g
+    return loss
 """,
-        "parallel_apply starts one thread per replica",
-    ),
-    Mistake(
-        "ex3_data_parallel_forward",
-        "threads_share_the_module",
-        """
-import threading
-
-import torch
-
-
-def data_parallel_forward(module, x, n):
-    pieces = torch.chunk(x, n)
-    outs = [None] * len(pieces)
-
-    def job(i):
-        outs[i] = module(pieces[i])
-
-    ts = [threading.Thread(target=job, args=(i,)) for i in range(len(pieces))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return torch.cat(outs)
-""",
-        "own parameter tensors",
-    ),
-    Mistake(
-        "ex3_data_parallel_forward",
-        "drops_the_remainder",
-        """
-import copy
-import threading
-
-import torch
-
-
-def data_parallel_forward(module, x, n):
-    size = x.shape[0] // n
-    pieces = [x[i * size:(i + 1) * size] for i in range(n)]
-    outs = [None] * n
-
-    def job(i):
-        params = {k: v.clone() for k, v in module.named_parameters()}
-        outs[i] = torch.func.functional_call(copy.deepcopy(module), params, (pieces[i],))
-
-    ts = [threading.Thread(target=job, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return torch.cat(outs)
-""",
-        "expected outputs of shape",
-    ),
-    Mistake(
-        "ex3_data_parallel_forward",
-        "detached_clones",
-        """
-import copy
-import threading
-
-import torch
-
-
-def data_parallel_forward(module, x, n):
-    pieces = torch.chunk(x, n)
-    outs = [None] * len(pieces)
-
-    def job(i):
-        params = {k: v.detach().clone() for k, v in module.named_parameters()}
-        outs[i] = torch.func.functional_call(copy.deepcopy(module), params, (pieces[i],))
-
-    ts = [threading.Thread(target=job, args=(i,)) for i in range(len(pieces))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return torch.cat(outs)
-""",
-        "not connected to module's in autograd",
+        "the docstring promises a float",
     ),
 ]
 
-MISTAKES = [*_EX1, *_EX2, *_EX3, *EX4, *EX5]
+MISTAKES = [*_EX1, *_EX2, *EX3, *EX4, *EX5]

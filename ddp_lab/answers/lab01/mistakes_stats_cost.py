@@ -112,6 +112,22 @@ def combine_shard_stats(means, variances, counts):
 """,
         "holds NaN",
     ),
+    Mistake(
+        "ex4_combine_shard_stats",
+        "computes_in_float64",  # safe and exact, but hands back float64 for float32 shards
+        """
+import torch
+
+
+def combine_shard_stats(means, variances, counts):
+    keep = counts > 0
+    m, v = means[keep].double(), variances[keep].double()
+    w = counts[keep].double().unsqueeze(1) / counts.sum()
+    mean = (w * m).sum(0)
+    return mean, (w * (v + (m - mean) ** 2)).sum(0)
+""",
+        "the dtype of means",
+    ),
 ]
 
 EX5 = [

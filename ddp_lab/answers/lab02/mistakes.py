@@ -77,6 +77,21 @@ RING_SKIPS_A_STEP = (
     + _ALL_GATHER
 )
 
+#: A right ring that forgets to return: every tensor holds the sum, but the docstring
+#: promises `tensor` itself back (a caller writing `x = ring_all_reduce(x)` gets None).
+RING_RETURNS_NOTHING = (
+    _RING_HEAD
+    + """    for step in range(n - 1):
+        send, recv = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
+        request = dist.isend(send, dst=right)
+        received = torch.empty_like(recv)
+        dist.recv(received, src=left)
+        request.wait()
+        recv += received
+"""
+    + _ALL_GATHER.replace("    return tensor\n", "")
+)
+
 #: A ring written in one loop over both phases that adds in both: the all-gather must
 #: overwrite, so chunks come out with some ranks' values counted twice.
 RING_ADDS_IN_BOTH_PHASES = """%%writefile ring.py
@@ -362,6 +377,7 @@ MISTAKES = [
     Mistake(E1, "typical", RING_WRONG_NEIGHBOUR, "sends only to its right neighbour (r + 1) % n"),
     Mistake(E1, "adds in both phases", RING_ADDS_IN_BOTH_PHASES, "is wrong in chunk(s)"),
     Mistake(E1, "skips a step", RING_SKIPS_A_STEP, "skips a step"),
+    Mistake(E1, "returns nothing", RING_RETURNS_NOTHING, "other than `tensor` itself"),
     Mistake(E1, "whole tensors", RING_WHOLE_TENSORS, "more than a ring needs"),
     Mistake(E1, "calls all_reduce", RING_CALLS_ALL_REDUCE, "all_reduce is not allowed"),
     Mistake(E1, "imports the answer", RING_IMPORTS_THE_ANSWER, "uses ddp_lab.answers"),

@@ -4,8 +4,8 @@
   that trained alone on its shard, gradients summed instead of averaged);
 - ex4 and ex5: which typical gradient came back (the sum over the ranks: never divided, or
   divided before the all-reduce had arrived; the rank's own: never waited for);
-- ex6: every call compared with the exact formula, and which typical rule a wrong value
-  follows (the square-root rule, a factor left out, the ratio upside down).
+- ex6: which typical warm-up a wrong length is (the ratio floored or rounded, one step too
+  many, the accumulation left out, the samples of one process).
 
 (ex1 and ex3 have none: torch's ``DistributedSampler`` and the count on the whole set are
 exact oracles already, and the kit's diagnoses are properties.)
@@ -18,12 +18,12 @@ import math
 import torch
 
 from ddp_lab.answers import Hidden
-from ddp_lab.answers.lab03.references import expected_lr_at, shuffled_shards
-from ddp_lab.checks.failure import CheckFailed, max_abs_diff
+from ddp_lab.answers.lab03.references import expected_warmup_steps, shuffled_shards
+from ddp_lab.checks.failure import max_abs_diff
 from ddp_lab.checks.lab03 import ex2_ddp_train as ex2
 from ddp_lab.checks.lab03 import ex4_my_ddp as ex4
 from ddp_lab.checks.lab03 import ex5_bucketed_ddp as ex5
-from ddp_lab.checks.lab03 import ex6_lr_at as ex6
+from ddp_lab.checks.lab03 import ex6_warmup_steps as ex6
 from ddp_lab.checks.lab03 import own_ddp
 from ddp_lab.checks.lab03.common import (
     RecordingDataset,
@@ -168,66 +168,70 @@ def _own_ddp_explain(module):
 # --- exercise 6 -----------------------------------------------------------------------------
 
 
-def _scaled_hint(call: dict, got) -> str | None:
-    """Which typical rule a wrong ``lr_at`` value after the warm-up follows (None: right)."""
-    want = expected_lr_at(**call)
-    if ex6.close(got, want):
-        return None
-    base_lr, b, w, k = call["base_lr"], call["batch_size"], call["world_size"], call["accum_steps"]
-    ratio = b * w * k / call["base_batch"]
-    hints = [
+def _warmup_alternatives(call: dict) -> list[tuple[int, str]]:
+    """``(value, diagnosis)`` of the typical wrong warm-ups of one call."""
+    b, w, k = call["batch_size"], call["world_size"], call["accum_steps"]
+    base, samples = call["base_batch"], call["warmup_samples"]
+    glob = b * w * k
+
+    def steady(rule) -> int:
+        return rule(glob / base) if glob > base else 0
+
+    data = -(-samples // glob)
+    return [
         (
-            base_lr * math.sqrt(ratio),
-            "that is the square-root rule; the linear rule multiplies by the ratio of global "
-            "batches itself",
-        ),
-        (base_lr, "the learning rate must grow with the global batch"),
-        (
-            base_lr * b * k / call["base_batch"],
-            "the global batch counts every process: times world_size",
+            max(steady(math.floor), data),
+            "you floor the ratio k = global batch / base_batch; with N < k steps one step "
+            "rises by k / N > 1 times base_lr: round up (the ceiling of k)",
         ),
         (
-            base_lr * b * w / call["base_batch"],
-            "the global batch also counts the accumulated micro-batches: times accum_steps",
+            max(steady(round), data),
+            "you round the ratio k = global batch / base_batch; below k steps one step rises "
+            "by more than base_lr: round up (the ceiling of k)",
         ),
-        (base_lr / ratio, "the ratio is upside down: a larger batch gets a larger rate"),
-        (base_lr * w, "scale by the global batch over base_batch, not by world_size alone"),
+        (
+            max(glob // base + 1 if glob > base else 0, data),
+            "k + 1 steps where k = global batch / base_batch is an integer: k steps already "
+            "rise by exactly base_lr each",
+        ),
+        (
+            max(-(-(b * w) // base) if b * w > base else 0, -(-samples // (b * w))),
+            "your global batch leaves out accum_steps: the global batch counts the accumulated "
+            "micro-batches too (batch_size x world_size x accum_steps)",
+        ),
+        (
+            max(steady(math.ceil), -(-samples // (b * k))),
+            "your warm-up counts the samples of one process; a step sees the samples of every "
+            "process (the global batch)",
+        ),
     ]
-    hint = next(
-        (h for v, h in hints if ex6.close(got, v)),
-        "after the warm-up, lr = base_lr * (batch_size * world_size * accum_steps) / base_batch",
-    )
-    return f"{ex6.said(call, got)}, expected {want:.6g}: {hint}"
 
 
-def _lr_explain(inputs: dict, outputs: dict) -> str | None:
-    for setup, got in zip(inputs["setups"], outputs["scaled"], strict=True):
-        call = ex6.scaled_calls(setup)[0]
-        if not ex6.close(got[5], got[0]):
-            return None  # a rate that keeps changing: the kit says so
-        if isinstance(got[0], float) and (hint := _scaled_hint(call, got[0])):
-            return hint
-    return None  # the warm-up: the kit's comparison with the trainer says what is wrong
-
-
-def _lr_check(inputs: dict, outputs: dict) -> None:
-    for setup, scaled, warm in zip(
-        inputs["setups"], outputs["scaled"], outputs["warmup"], strict=True
-    ):
-        calls = ex6.scaled_calls(setup) + ex6.warmup_calls(setup)
-        for call, value in zip(calls, scaled + warm, strict=True):
-            want = expected_lr_at(**call)
-            if not ex6.close(value, float(want)):
-                raise CheckFailed(
-                    f"{ex6.said(call, value)}, expected {want:.6g}: the scaled rate "
-                    "base_lr * global batch / base_batch, times step / warmup_steps during the "
-                    "warm-up"
-                )
+def _warmup_explain(inputs: dict, outputs: dict) -> str | None:
+    """The typical mistake whose values match the student's on every call (so that no draw
+    makes two mistakes look alike), said on the first wrong call."""
+    results = outputs.get("results")
+    calls = inputs["calls"]
+    if not isinstance(results, list) or len(results) != len(calls):
+        return None
+    got = [r.get("value") if isinstance(r, dict) else None for r in results]
+    if not all(isinstance(g, int) for g in got):
+        return None  # not an int: the kit says so
+    wrong = [i for i, (c, r) in enumerate(zip(calls, results, strict=True)) if ex6.problem(c, r)]
+    if not wrong:
+        return None
+    tables = [_warmup_alternatives(c) for c in calls]
+    for j, (_, hint) in enumerate(tables[0]):
+        if all(tables[i][j][0] == got[i] for i in range(len(calls))):
+            first = wrong[0]
+            want = expected_warmup_steps(**calls[first])
+            return f"{ex6.said(calls[first], got[first])}, expected {want}: {hint}"
+    return None
 
 
 HIDDEN = {
     "test_ex2_ddp_train": Hidden(explain=_train_explain),
     "test_ex4_my_ddp": Hidden(explain=_own_ddp_explain(ex4)),
     "test_ex5_bucketed_ddp": Hidden(explain=_own_ddp_explain(ex5)),
-    "test_ex6_lr_at": Hidden(check=_lr_check, explain=_lr_explain),
+    "test_ex6_warmup_steps": Hidden(explain=_warmup_explain),
 }

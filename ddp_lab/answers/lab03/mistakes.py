@@ -94,6 +94,7 @@ MISTAKES = [
         "DistributedSampler pads",
     ),
     Mistake("ex3_evaluate", "mean_of_accuracies", src.EVAL_MEAN, "mean of the ranks' accuracies"),
+    Mistake("ex3_evaluate", "returns_tensors", src.EVAL_TENSORS, "promises int, int and float"),
     # --- exercise 4: my_ddp.py ------------------------------------------------------------------
     Mistake(
         "ex4_my_ddp",
@@ -127,36 +128,43 @@ MISTAKES = [
         src.bucketed(size="4"),
         "measure a tensor in bytes",
     ),
-    # --- exercise 6: lr_at ----------------------------------------------------------------------
-    Mistake("ex6_lr_at", "square_root_rule", src.lr_at(scale="sqrt"), "square-root rule"),
-    Mistake("ex6_lr_at", "constant", src.lr_at(scale="none"), "must grow"),
-    Mistake("ex6_lr_at", "no_world_size", src.lr_at(scale="no_world"), "times world_size"),
-    Mistake("ex6_lr_at", "no_accum_steps", src.lr_at(scale="no_accum"), "times accum_steps"),
-    Mistake("ex6_lr_at", "upside_down", src.lr_at(scale="inverse"), "upside down"),
+    # --- exercise 6: warmup_steps_for -----------------------------------------------------------
+    Mistake("ex6_warmup_steps", "floors_the_ratio", src.warmup_steps_for(steady="floor"), "floor"),
+    Mistake("ex6_warmup_steps", "rounds_the_ratio", src.warmup_steps_for(steady="round"), "round"),
     Mistake(
-        "ex6_lr_at",
-        "warmup_counts_from_zero",
-        src.lr_at(warmup="zero_based"),
-        "k / warmup_steps of the scaled rate",
+        "ex6_warmup_steps", "one_step_too_many", src.warmup_steps_for(steady="plus_one"), "k + 1"
     ),
     Mistake(
-        "ex6_lr_at",
-        "warmup_from_base_lr",
-        src.lr_at(warmup="from_base"),
-        "k / warmup_steps of the scaled rate",
+        "ex6_warmup_steps",
+        "ignores_the_samples",
+        src.warmup_steps_for(data="ignored"),
+        "fewer than warmup_samples",
     ),
     Mistake(
-        "ex6_lr_at",
-        "warmup_never_stops",
-        src.lr_at(warmup="no_end"),
-        "the rate keeps changing after the warm-up",
+        "ex6_warmup_steps",
+        "ignores_the_rise",
+        src.warmup_steps_for(steady="ignored"),
+        "raises the rate by",
     ),
     Mistake(
-        "ex6_lr_at",
-        "warmup_divides_by_zero",
-        src.lr_at(warmup="no_zero_case"),
-        "raised ZeroDivisionError",
+        "ex6_warmup_steps",
+        "no_accum_steps",
+        src.warmup_steps_for(glob="no_accum"),
+        "counts the accumulated micro-batches",
     ),
+    Mistake(
+        "ex6_warmup_steps",
+        "samples_of_one_process",
+        src.warmup_steps_for(data="per_process"),
+        "samples of every process",
+    ),
+    Mistake(
+        "ex6_warmup_steps",
+        "always_warms_up",
+        src.warmup_steps_for(at_least_one=True),
+        "the shortest",
+    ),
+    Mistake("ex6_warmup_steps", "returns_a_float", src.warmup_steps_for(as_float=True), "an int"),
 ]
 
 #: More wrong answers of the distributed exercises (tested on real gloo groups).

@@ -8,7 +8,8 @@ tests. Not in the student kit.
 - ex4: :class:`MyDDP`, a broadcast at construction and an asynchronous all-reduce per
   gradient, started by a hook, waited for and divided in ``finish()``;
 - ex5: :class:`BucketedDDP`, the same with buckets (:func:`bucket_params`);
-- ex6: :func:`expected_lr_at`, the linear scaling rule with the trainer's warm-up.
+- ex6: :func:`expected_warmup_steps`, the shortest warm-up that keeps every step's rise
+  within ``base_lr`` (and :func:`expected_lr_at`, the trainer's scaled, warmed-up rate).
 """
 
 from __future__ import annotations
@@ -286,3 +287,18 @@ def expected_lr_at(
     if step >= warmup_steps:
         return peak
     return peak * step / warmup_steps
+
+
+def expected_warmup_steps(base_batch, batch_size, world_size, accum_steps=1, warmup_samples=0):
+    """The shortest warm-up of the trainer's linear ramp whose steps never raise the rate by
+    more than ``base_lr`` (the rate of a global batch ``k`` times ``base_batch`` rises by
+    ``k / N`` of ``base_lr`` per step, so ``N >= k`` once ``k > 1``) and that sees at least
+    ``warmup_samples`` samples.
+
+    Example:
+        >>> expected_warmup_steps(64, 32, 8), expected_warmup_steps(64, 32, 8, 1, 3000)
+        (4, 12)
+    """
+    glob = batch_size * world_size * accum_steps
+    steady = -(-glob // base_batch) if glob > base_batch else 0
+    return max(steady, -(-warmup_samples // glob))

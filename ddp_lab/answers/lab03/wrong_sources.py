@@ -195,6 +195,24 @@ def evaluate(model, dataset, batch_size=64):
     return {"correct": right, "total": len(idx), "accuracy": right / max(1, len(idx))}
 """
 
+#: Right shards and sums, but tensors where the docstring promises int, int and float.
+EVAL_TENSORS = """%%writefile evaluate.py
+import torch
+import torch.distributed as dist
+
+
+def evaluate(model, dataset, batch_size=64):
+    idx = list(range(dist.get_rank(), len(dataset), dist.get_world_size()))
+    counts = torch.zeros(2, dtype=torch.long)
+    with torch.no_grad():
+        for start in range(0, len(idx), batch_size):
+            x, y = zip(*[dataset[i] for i in idx[start : start + batch_size]])
+            counts[0] += (model(torch.stack(x)).argmax(1) == torch.stack(y)).sum()
+            counts[1] += len(y)
+    dist.all_reduce(counts)
+    return {"correct": counts[0], "total": counts[1], "accuracy": counts[0] / counts[1]}
+"""
+
 # --- exercise 4 -----------------------------------------------------------------------------
 
 _HOOKS = {
@@ -371,42 +389,41 @@ class BucketedDDP(nn.Module):
 
 # --- exercise 6 -----------------------------------------------------------------------------
 
-_SCALES = {
-    "linear": "base_lr * batch_size * world_size * accum_steps / base_batch",
-    "sqrt": "base_lr * math.sqrt(batch_size * world_size * accum_steps / base_batch)",
-    "none": "base_lr",
-    "no_world": "base_lr * batch_size * accum_steps / base_batch",
-    "no_accum": "base_lr * batch_size * world_size / base_batch",
-    "inverse": "base_lr * base_batch / (batch_size * world_size * accum_steps)",
+#: The two requirements, each right or in a typical wrong form (``glob``: samples per step).
+_STEADY = {
+    "right": "-(-glob // base_batch) if glob > base_batch else 0",
+    "floor": "glob // base_batch if glob > base_batch else 0",
+    "round": "round(glob / base_batch) if glob > base_batch else 0",
+    "plus_one": "glob // base_batch + 1 if glob > base_batch else 0",
+    "ignored": "0",
 }
-_WARMUPS = {
-    "trainer": (
-        "    if warmup_steps and step < warmup_steps:\n"
-        "        return rate * step / warmup_steps\n"
-        "    return rate\n"
-    ),
-    "zero_based": (
-        "    if step <= warmup_steps:\n"
-        "        return rate * (step - 1) / warmup_steps\n"
-        "    return rate\n"
-    ),
-    "from_base": (
-        "    if step < warmup_steps:\n"
-        "        return base_lr + (rate - base_lr) * step / warmup_steps\n"
-        "    return rate\n"
-    ),
-    "no_end": (
-        "    if warmup_steps == 0:\n        return rate\n    return rate * step / warmup_steps\n"
-    ),
-    "no_zero_case": "    return rate * min(1, step / warmup_steps)\n",
+_DATA = {
+    "right": "-(-warmup_samples // glob)",
+    "per_process": "-(-warmup_samples // (batch_size * accum_steps))",
+    "ignored": "0",
+}
+_GLOBAL = {
+    "right": "batch_size * world_size * accum_steps",
+    "no_accum": "batch_size * world_size",
 }
 
 
-def lr_at(scale: str = "linear", warmup: str = "trainer") -> str:
-    """``lr_at`` with a scaling rule and a warm-up of :data:`_SCALES` / :data:`_WARMUPS`."""
+def warmup_steps_for(
+    steady: str = "right",
+    data: str = "right",
+    glob: str = "right",
+    at_least_one: bool = False,
+    as_float: bool = False,
+) -> str:
+    """``warmup_steps_for`` with each part right or in one typical wrong form."""
+    result = f"max({_STEADY[steady]}, {_DATA[data]})"
+    if at_least_one:
+        result = f"max(1, {result})"
+    if as_float:
+        result = f"float({result})"
     return (
-        "import math\n\n\n"
-        "def lr_at(step, base_lr, base_batch, batch_size, world_size, accum_steps=1, "
-        "warmup_steps=0):\n"
-        f"    rate = {_SCALES[scale]}\n" + _WARMUPS[warmup]
+        "def warmup_steps_for(base_batch, batch_size, world_size, accum_steps=1, "
+        "warmup_samples=0):\n"
+        f"    glob = {_GLOBAL[glob]}\n"
+        f"    return {result}\n"
     )

@@ -216,6 +216,27 @@ def sync_input_grad(dy, x_hat, invstd, weight, count):
     ),
     Mistake(
         "ex2_sync_input_grad",
+        "float64_gradient",  # right numbers, computed and returned in float64
+        """%%writefile sync_grad.py
+import torch
+import torch.distributed as dist
+
+
+def sync_input_grad(dy, x_hat, invstd, weight, count):
+    dims = [0, *range(2, dy.dim())]
+    view = (1, -1, *([1] * (dy.dim() - 2)))
+    dy, x_hat = dy.double(), x_hat.double()
+    sums = torch.cat([dy.sum(dims), (dy * x_hat).sum(dims)])
+    dist.all_reduce(sums)
+    c = weight.numel()
+    scale = (weight.double() * invstd.double()).reshape(view)
+    mean_dy, mean_dy_xhat = (sums[:c] / count).reshape(view), (sums[c:] / count).reshape(view)
+    return scale * (dy - mean_dy - x_hat * mean_dy_xhat)
+""",
+        "promises it in dy's dtype",
+    ),
+    Mistake(
+        "ex2_sync_input_grad",
         "no_weight",  # gamma left out of the chain rule
         """%%writefile sync_grad.py
 import torch

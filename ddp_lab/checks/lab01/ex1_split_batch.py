@@ -2,14 +2,17 @@
 
 The judge checks properties only (no split is computed here): ``n`` pairs ``(x_k, y_k)``
 that keep every dimension but the first, as many inputs as targets in each shard, every
-sample exactly once and in order (the shards concatenated give back ``x`` and ``y``), and
-sizes that differ by at most one. The fixed case set, random values inside: one shard
-(``n = 1``), two shards of an odd batch, three shards with a remainder, ``n`` = 4 to 7 with
-a remainder of 2 .. n - 2 (giving it all to one shard, or ``torch.chunk``, is then
-unbalanced), a batch that divides evenly, ``n + 1`` samples into ``n`` shards
-(``torch.chunk`` gives fewer than ``n``), and more shards than samples (some replicas get
-no data: empty shards of shape ``(0, ...)``); image-shaped float32 inputs and float64
-feature vectors.
+sample exactly once and in order (the shards concatenated give back ``x`` and ``y``),
+sizes that differ by at most one, and the larger shards first (the first ``B % n`` take one
+sample more, so empty shards come last, as the notebook's examples fix). The fixed case
+set, random values inside: one shard (``n = 1``), two shards of an odd batch, three shards
+with a remainder, ``n`` = 4 to 7 with a remainder of 2 .. n - 2 (giving it all to one
+shard, or ``torch.chunk``, is then unbalanced), a batch that divides evenly, ``n + 1``
+samples into ``n`` shards (``torch.chunk`` gives fewer than ``n``), and more shards than
+samples (some replicas get no data: empty shards of shape ``(0, ...)``, which must be the
+last ones); image-shaped float32 inputs and float64 feature vectors. Every case but the
+first and the even one has a remainder, so a split that puts the extra samples anywhere
+but in the first shards fails in every run.
 """
 
 from __future__ import annotations
@@ -140,6 +143,13 @@ def check_batch(x: torch.Tensor, y: torch.Tensor, n: int, shards) -> list[int]:
         f"{case}: shard sizes {sizes} differ by more than one; spread the remainder "
         f"{batch % n} over {batch % n} shards, one extra sample each",
     )
+    extra = batch % n
+    require(
+        all(sizes[k] >= sizes[k + 1] for k in range(len(sizes) - 1)),
+        f"{case}: shard sizes {sizes}; the first {extra} shard(s) take one sample more and "
+        "the others follow, so any empty shards are the last ones (10 into 4 gives "
+        "[3, 3, 2, 2], 2 into 3 gives [1, 1, 0])",
+    )
     for name, full, index in (("x", x, 0), ("y", y, 1)):
         joined = torch.cat([p[index] for p in shards])
         require(
@@ -161,7 +171,7 @@ def judge(inputs: dict, outputs: dict) -> str:
     for b, shards in zip(inputs["batches"], results, strict=True):
         sizes = check_batch(b["x"], b["y"], b["n"], shards)
         seen.append(f"{b['x'].shape[0]} into {sizes}")
-    return "every sample in exactly one shard, sizes within one: " + "; ".join(seen)
+    return "every sample in exactly one shard, sizes within one, larger first: " + "; ".join(seen)
 
 
 EXERCISE = Exercise(

@@ -3,10 +3,11 @@ replica per shard, equal to the step on the whole batch.
 
 The oracle is autograd on the whole batch (all the shards' samples together, float64): its
 mean loss, its gradient, and the SGD step ``p - lr * grad`` from the same weights. The
-student's step must return that loss, leave that gradient in the model's ``.grad`` (as DDP
-does) and move the model's weights by that step. The checker also counts the samples of
-every forward pass the model (or a copy of it) runs: no forward may see more samples than
-the largest shard (one replica per shard, not one pass over the concatenated batch).
+student's step must return that loss (a Python float, as the docstring promises), leave
+that gradient in the model's ``.grad`` (as DDP does) and move the model's weights by that
+step. The checker also counts the samples of every forward pass the model (or a copy of it)
+runs: no forward may see more samples than the largest shard (one replica per shard, not
+one pass over the concatenated batch).
 
 The model arrives holding the previous step's gradient in ``.grad`` (a step must use this
 step's gradient only). The fixed case set, random values inside: one shard (its weight is
@@ -206,6 +207,11 @@ def _check_case(case: dict, got: dict) -> None:
         f"{what}: you returned the loss {value:.6g}; the mean loss over all "
         f"{sum(sizes)} samples is {loss:.6g} (each replica's mean loss covers its own shard "
         "only: combine them like the gradients)",
+    )
+    require(
+        isinstance(got.get("loss"), float),
+        f"{what}: you returned the loss as {kind(got.get('loss'))}; the docstring promises a "
+        "float (loss.item(), not a tensor that keeps the replicas' graphs alive)",
     )
     forwards = [s for s in got.get("forwards", []) if isinstance(s, int)]
     if len([s for s in sizes if s]) > 1 and forwards:

@@ -3,14 +3,16 @@ device (replicate, scatter, parallel_apply, gather), trainable through ``module`
 
 The checker registers a forward pre-hook on ``module`` (``copy.deepcopy`` copies it onto
 the replicas) that records, for every forward pass, how many samples it saw, in which
-thread it ran, and whether it ran with ``module``'s own parameter tensors. Then it runs a
+thread it ran, whether it ran with ``module``'s own parameter tensors, and the memory its
+parameters live in, so that two replicas sharing one copy (or views of one) show. Then it runs a
 backward pass from the returned outputs (the mean cross-entropy of the whole batch), as a
 training step would.
 
 The oracles are ``module(x)`` and autograd's gradient of that loss, both in float64. A right
 answer returns the same outputs, runs one forward per piece of the batch (at most ``n``
 pieces, together every sample once), each in its own thread and, when there is more than
-one piece, with copies of the parameters; and the backward pass puts the whole batch's
+one piece, with its own copy of the parameters (one per replica, as ``replicate`` makes one
+per device); and the backward pass puts the whole batch's
 gradient into ``module``'s ``.grad`` (the copies' gradients added up, as ``nn.DataParallel``'s
 ``Broadcast`` / ``ReduceAddCoalesced`` pair does). The fixed case set, random values
 inside: ``n = 1``, ``n = 2`` on an odd batch, ``n = 3`` on a batch not divisible by 3
@@ -87,10 +89,16 @@ def visible_inputs(gen: torch.Generator) -> dict:
     }
 
 
+def _memory(t: torch.Tensor) -> int:
+    """The address of the memory a tensor's values live in (views share their base's)."""
+    return t.untyped_storage().data_ptr()
+
+
 def _one(fn, case: dict) -> dict:
     module = model_of(case)
     own = {id(p) for p in module.parameters()}
     threads: list[threading.Thread] = []  # kept alive, so that no two share an id
+    held: list[torch.Tensor] = []  # the replicas' parameters, kept alive: addresses stay unique
     seen: list[dict] = []
 
     def record(mod, args):
@@ -98,11 +106,15 @@ def _one(fn, case: dict) -> dict:
         here = threading.current_thread()
         if here not in threads:
             threads.append(here)
+        params = list(mod.parameters())
+        held.extend(params)
+        memory = [_memory(p) for p in params]
         seen.append(
             {
                 "samples": int(first.shape[0]) if isinstance(first, torch.Tensor) else -1,
                 "thread": threads.index(here),
-                "own": any(id(p) in own for p in mod.parameters()),
+                "own": any(id(p) in own for p in params),
+                "memory": memory,
             }
         )
 
@@ -154,6 +166,16 @@ def _check_forwards(case: dict, got: dict) -> None:
             f"{what}: a replica ran with module's own parameter tensors; replicate first: "
             "every replica (device) holds its own copy of the parameters",
         )
+        memory = [set(f.get("memory", [])) for f in forwards]
+        for i in range(len(memory)):
+            for j in range(i):
+                if memory[i] & memory[j]:
+                    raise CheckFailed(
+                        f"{what}: replicas {j} and {i} ran with the same parameter tensors; "
+                        "replicate makes one copy per device (torch.nn.parallel.replicate), "
+                        "so every replica needs its own copy of the parameters, not one copy "
+                        "shared by all"
+                    )
 
 
 def _check_case(case: dict, got: dict) -> None:

@@ -7,7 +7,8 @@ the answer is their mean and biased variance computed from the offsets, so the o
 nothing to a large offset. The student gets the shard statistics in the case's dtype. The
 tolerance is what a numerically safe computation in that dtype may lose: a few roundings of
 numbers as large as the means (times the spread, for the variance), plus a small share of
-the variance.
+the variance. A right answer also comes back in the dtype of ``means``, as the docstring
+promises (upcasting to float64 and handing that back is caught here, and only here).
 
 The fixed case set, random values inside: one shard (its own statistics); two shards of
 unequal counts whose means lie at least 3 apart (the plain averages, and the average of the
@@ -246,6 +247,12 @@ def _check_case(case: dict, got: dict) -> None:
         )
     ok_mean = within(got_mean, mean, mean_tolerance(case))
     if ok_mean and within(got_var, var, var_tolerance(case)):
+        dtype = case["means"].dtype
+        require(
+            got_mean.dtype == dtype and got_var.dtype == dtype,
+            f"{what}: your mean and variance are {got_mean.dtype} and {got_var.dtype}; the "
+            f"docstring promises them in the dtype of means ({dtype}), as BatchNorm needs them",
+        )
         return
     _diagnose(case, got_mean, got_var, mean, var)
     name, want, value, tol = (

@@ -1,7 +1,8 @@
 """Exercise 1: a ring all-reduce from send/recv (``ring.py``), on every rank of one torchrun job.
 
 Oracle: every rank must end with the element-wise sum of the ranks' inputs (what
-``dist.all_reduce`` gives), in place. Then the traffic, recorded by the checker in each rank
+``dist.all_reduce`` gives), in place, and return ``tensor`` itself (as the docstring
+promises). Then the traffic, recorded by the checker in each rank
 (:mod:`~ddp_lab.checks.lab02.traffic`): rank ``r`` sends only to ``(r + 1) % n``, and sends
 ``2(n - 1)/n`` of the tensor in all (within one chunk). A ring that sends the other way round
 reaches the right sum and still fails; so does one that passes whole tensors around.
@@ -97,6 +98,7 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world_size: int) -> 
                 {
                     "after": t,
                     "returned": returned if other else None,
+                    "itself": returned is t,
                     "sent": traffic.sends(log, start),
                 }
             )
@@ -198,13 +200,23 @@ def _runs(inputs: dict, outputs: dict):
 
 
 def judge(inputs: dict, outputs: dict) -> str:
-    """Every rank holds the sum; then every rank sent only right, 2(n - 1)/n of the tensor."""
+    """Every rank holds the sum and returns ``tensor`` itself; then every rank sent only right,
+    2(n - 1)/n of the tensor."""
     for n, data, got in _runs(inputs, outputs):
         for j in range(len(data[0])):
             xs = [data[r][j] for r in range(n)]
             afters = [got[r][j]["after"] for r in range(n)]
             if why := value_problem(xs, afters, [got[r][j]["returned"] for r in range(n)]):
                 raise CheckFailed(why)
+        for j in range(len(data[0])):
+            bad = [r for r in range(n) if got[r][j].get("itself") is not True]
+            if bad:
+                raise CheckFailed(
+                    f"with {n} ranks and a tensor of shape {tuple(data[0][j].shape)}: the sum is "
+                    f"right, but ring_all_reduce returned something other than `tensor` itself "
+                    f"on rank(s) {bad}; the docstring promises `tensor`, holding the sum "
+                    "(return tensor)"
+                )
         for j in range(len(data[0])):
             sent = [got[r][j]["sent"] for r in range(n)]
             if why := traffic.ring_problem(tuple(data[0][j].shape), sent, n):

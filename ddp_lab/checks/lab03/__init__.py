@@ -9,8 +9,9 @@
    DDP's weights, the all-reduces counted, and the overlap timed on a slowed link;
 5. ``bucketed_ddp.py`` (torchrun): the same with DDP's buckets, judged against torch's own
    bucketing routine as well;
-6. ``lr_at`` (kernel): the learning rate for a larger global batch, warmed up like the
-   course trainer.
+6. ``warmup_steps_for`` (kernel): the shortest warm-up of the trainer's linear ramp that
+   keeps every step's rise of the scaled rate within ``base_lr`` and sees a given number of
+   samples, judged against the trainer's own schedule.
 
 Each exercise's contract is in its own file; the functions below run it through
 :func:`ddp_lab.checks.runner.visible` on small fixed inputs, the same way the grader runs it
@@ -33,7 +34,7 @@ from ddp_lab.checks.lab03 import (
     ex3_evaluate,
     ex4_my_ddp,
     ex5_bucketed_ddp,
-    ex6_lr_at,
+    ex6_warmup_steps,
 )
 
 LAB = "lab03_ddp"
@@ -45,7 +46,7 @@ EXERCISES = [
     ex3_evaluate.EXERCISE,
     ex4_my_ddp.EXERCISE,
     ex5_bucketed_ddp.EXERCISE,
-    ex6_lr_at.EXERCISE,
+    ex6_warmup_steps.EXERCISE,
 ]
 
 #: True while ``nbgrader autograde`` runs the notebook (the grader, not a student). The
@@ -59,17 +60,17 @@ GRADING = runner.grading()
 TRAIN_CHECK = {"epochs": 2, "batch_size": 16, "lr": 0.05, "train_size": 200, "seed": 3}
 
 
-def shard_sampler(cls: type) -> str:
+def shard_sampler(cls: type) -> None:
     """Check ``MySampler`` against torch's ``DistributedSampler`` on four small cases, three
     epochs each.
 
     Raises:
         CheckFailed: naming the case and what is wrong (overlap, padding, no reshuffle ...).
     """
-    return runner.visible(LAB, "test_ex1_shard_sampler", functions={"MySampler": cls})
+    runner.visible(LAB, "test_ex1_shard_sampler", functions={"MySampler": cls})
 
 
-def ddp_train(path: str = "ddp_train.py") -> str:
+def ddp_train(path: str = "ddp_train.py") -> None:
     """Run ``setup`` / ``train`` / ``teardown`` of ``path`` on 2 ranks for 3 epochs, then
     ``setup()`` on a faked GPU node; compare the samples each rank read with
     ``DistributedSampler`` and the weights with one process trained on the global batch.
@@ -77,20 +78,20 @@ def ddp_train(path: str = "ddp_train.py") -> str:
     Raises:
         CheckFailed: the failing rank's error, or what differs and the likely cause.
     """
-    return runner.visible(LAB, "test_ex2_ddp_train", folder=Path(path).parent)
+    runner.visible(LAB, "test_ex2_ddp_train", folder=Path(path).parent)
 
 
-def evaluate(path: str = "evaluate.py") -> str:
+def evaluate(path: str = "evaluate.py") -> None:
     """Run ``evaluate`` from ``path`` on 2 ranks, on an odd number of samples and on one
     sample; compare with the correct predictions counted on the whole set.
 
     Raises:
         CheckFailed: duplicates or missing samples, ranks that disagree, a wrong accuracy.
     """
-    return runner.visible(LAB, "test_ex3_evaluate", folder=Path(path).parent)
+    runner.visible(LAB, "test_ex3_evaluate", folder=Path(path).parent)
 
 
-def my_ddp(path: str = "my_ddp.py") -> str:
+def my_ddp(path: str = "my_ddp.py") -> None:
     """Run ``MyDDP`` from ``path`` on 2 ranks that start from different weights; compare
     with what ``DistributedDataParallel`` gives, count the all-reduces, and time a step on
     a slowed link with and without overlap.
@@ -98,24 +99,24 @@ def my_ddp(path: str = "my_ddp.py") -> str:
     Raises:
         CheckFailed: no broadcast, gradients not averaged, no overlap.
     """
-    return runner.visible(LAB, "test_ex4_my_ddp", folder=Path(path).parent)
+    runner.visible(LAB, "test_ex4_my_ddp", folder=Path(path).parent)
 
 
-def bucketed_ddp(path: str = "bucketed_ddp.py") -> str:
+def bucketed_ddp(path: str = "bucketed_ddp.py") -> None:
     """Run ``BucketedDDP`` from ``path`` on 2 ranks; compare with DDP's weights and buckets,
     and time a step on a slowed link with and without overlap.
 
     Raises:
         CheckFailed: other buckets than DDP's rule gives, gradients not averaged, no overlap.
     """
-    return runner.visible(LAB, "test_ex5_bucketed_ddp", folder=Path(path).parent)
+    runner.visible(LAB, "test_ex5_bucketed_ddp", folder=Path(path).parent)
 
 
-def lr_at(fn: Callable) -> str:
-    """Check ``lr_at`` on three hand-picked set-ups: the linear scaling rule after the
-    warm-up, the trainer's ramp during it.
+def warmup_steps_for(fn: Callable) -> None:
+    """Check ``warmup_steps_for`` on five hand-picked calls: the shortest warm-up that keeps
+    every step's rise within ``base_lr`` and sees ``warmup_samples`` samples.
 
     Raises:
-        CheckFailed: with the call, the value it returned, and what was expected.
+        CheckFailed: with the call, the value it returned, and which condition it breaks.
     """
-    return runner.visible(LAB, "test_ex6_lr_at", functions={"lr_at": fn})
+    runner.visible(LAB, "test_ex6_warmup_steps", functions={"warmup_steps_for": fn})

@@ -8,7 +8,8 @@ all 3 ranks one whose length is not divisible by 3 and one of two samples (rank 
 nothing). Oracle: the correct predictions counted on the whole set in one go (``argmax`` of
 ``x @ W.T + b`` against ``y``). Properties: every sample is scored exactly once over all
 ranks (each rank's reads are recorded), the ranks' parts differ in size by at most one, and
-every rank returns the same ``correct``, ``total`` and ``accuracy = correct / total``.
+every rank returns the same ``correct``, ``total`` and ``accuracy = correct / total``, as
+the docstring's ``int``, ``int`` and ``float`` (not tensors).
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ def _one_run(mod: dict, run: dict, rank: int, ranks: int) -> dict:
     got = mod["evaluate"](model, data, batch_size=run["batch_size"])
     if not isinstance(got, dict):
         raise TypeError(f"evaluate must return a dict, got {type(got).__name__}")
+    kinds = [type(got.get(k)).__name__ for k in ("correct", "total", "accuracy")]
     return {
         "correct": number(got.get("correct")),
         "total": number(got.get("total")),
         "accuracy": number(got.get("accuracy")),
+        "kinds": ",".join(kinds),
         "reads": torch.tensor(data.reads, dtype=torch.long),
     }
 
@@ -128,6 +131,13 @@ def problem(case: dict, outs: list[dict]) -> str | None:
         return (
             f"{where}: the ranks scored {sizes} samples: split the data set evenly, every rank "
             "scores its own part"
+        )
+    kinds = [str(o.get("kinds", "int,int,float")) for o in outs]
+    if any(k != "int,int,float" for k in kinds):
+        return (
+            f"{where}: evaluate returned correct, total and accuracy as "
+            f"{kinds[0].replace(',', ', ')}; the docstring promises int, int and float "
+            "(.item() or int() of a tensor; a float32 tensor also rounds the accuracy)"
         )
     results = [(o["correct"], o["total"], o["accuracy"]) for o in outs]
     for r in range(1, w):

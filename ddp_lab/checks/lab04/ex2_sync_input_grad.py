@@ -4,7 +4,8 @@ Every rank of a torchrun job receives its slice's ``dy`` and ``x_hat``, the glob
 ``invstd`` and count, and BatchNorm's ``weight``, and must return BatchNorm's input gradient
 for its slice: a formula the student derives, whose per-channel sums run over the global
 batch. The judge's oracle is autograd through ``F.batch_norm`` on the concatenated global
-batch (float64), split by rank.
+batch (float64), split by rank; the gradient must come back in ``dy``'s dtype, as the
+docstring promises (autograd expects it so from a ``backward``).
 
 Case set, in one job of 3 ranks (:func:`~ddp_lab.checks.lab04.common.per_run`):
 
@@ -154,6 +155,12 @@ def check_run(run: dict, got: list) -> None:
             assert_close(dx, expected[rank], f"{what}: the input gradient", atol * scale, rtol)
         except CheckFailed as err:
             raise CheckFailed(f"{err}{shift_hint(run['dys'], got)}") from None
+        want = run["dys"][rank].dtype
+        if dx.dtype != want:
+            raise CheckFailed(
+                f"{what}: the values are right, but dx is {dx.dtype}; the docstring promises "
+                f"it in dy's dtype ({want}), which autograd expects back from backward"
+            )
 
 
 def judge(inputs: dict, outputs: dict) -> str:
