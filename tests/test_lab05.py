@@ -54,7 +54,7 @@ _mistake_ns = GRADED.mistake_ns
 def test_every_draw_holds_every_edge_case():
     for seed in SEEDS:
         gen = torch.Generator().manual_seed(seed)
-        backward, large, edges = ex1.make_inputs(gen)["cases"]
+        backward, large, edges, tiny = ex1.make_inputs(gen)["cases"]
         flat = torch.cat([g.reshape(-1) for g in backward])
         assert (flat == 0).any() and any(not g.any() for g in backward), "zeros: ReLU, a layer"
         assert 0.05 < ex1.oracle(backward)["underflow"] < 0.95
@@ -62,6 +62,11 @@ def test_every_draw_holds_every_edge_case():
         top = max(float(g.abs().max()) for g in edges) * ex1.oracle(edges)["max_scale"]
         assert 65504 < top < 65520, "the largest entry lands between finfo.max and inf"
         assert 0 < ex1.oracle(edges)["bf16_underflow"] < ex1.oracle(edges)["underflow"]
+        tiny_flat = torch.cat([g.reshape(-1) for g in tiny])
+        assert float(tiny_flat.abs().max()) < 65520 * 2.0**-128, "2**128 is inf in float32"
+        assert ex1.oracle(tiny)["max_scale"] > 2.0**127
+        assert (tiny_flat.abs() < torch.finfo(torch.float32).smallest_normal).any()
+        assert 0 < ex1.oracle(tiny)["bf16_underflow"] < 1, "float32 values that bf16 loses"
 
         first, second = _inputs("test_ex2_loss_scaler", seed)["cases"]
         assert first["scaler"]["growth_interval"] == 1
@@ -467,6 +472,33 @@ def test_accumulation_equals_the_big_batch_with_one_allreduce_per_step(tmp_path)
         assert got["buckets"] == 1
         assert got["allreduces"] == [1, 1, 1], "one all-reduce per optimizer step"
         assert max(got["diffs"]) < 1e-6, got["diffs"]
+
+
+def _accumulation_mistake_worker(rank: int, world: int, tmp: str, source: str) -> None:
+    import torch.distributed as dist
+
+    ns: dict = {}
+    exec(source.split("\n", 1)[1], ns)  # the cell without its %%writefile line
+    spec = ex3._run_spec(torch.Generator().manual_seed(11), world, 7, 3)  # groups 3, 3, 1
+    out = ex3._one_run(ns["train_accumulated"], spec, rank, None)
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    gc.collect()
+    dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "mistake", [m for m in MORE_MISTAKES if m.cell == "ex3_accumulation"], ids=lambda m: m.name
+)
+def test_more_accumulation_mistakes_fail_with_their_reason_on_two_ranks(tmp_path, mistake):
+    """The accumulation mistakes beyond the grader's rounds (a forward pass outside
+    ``no_sync``, the first micro-batch synchronised), really run on 2 ranks and judged."""
+    spawn_gloo(_accumulation_mistake_worker, 2, str(tmp_path), mistake.source)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    spec = ex3._run_spec(torch.Generator().manual_seed(11), 2, 7, 3)
+    why = ex3.problem(spec, 2, outs)
+    assert why is not None and mistake.reason in why, why
 
 
 @pytest.mark.slow

@@ -218,8 +218,8 @@ def amp_step_order() -> Figure:
 
 
 def sharded_norm(sizes: Sequence[int]) -> Figure:
-    """Gradients sharded over ranks, and the global norm from one all-reduce of the local
-    sums of squares.
+    """Gradients sharded over ranks, and what the global norm asks for: one number, the same
+    on every rank of the group, from one collective (which values go in is the exercise).
 
     Args:
         sizes: how many gradient entries each rank holds (0: none).
@@ -246,7 +246,7 @@ def sharded_norm(sizes: Sequence[int]) -> Figure:
                 alpha=0.7,
             )
         start += size
-        label = f"s{r} = sum of its g^2" if size else f"s{r} = 0 (holds nothing)"
+        label = f"{size} entries g_i" if size else "holds nothing (still takes part)"
         _arrow(ax, (5.2, y + 0.3), (6.2, (n - 1) / 2 + 0.3), color=COLORS[r % len(COLORS)])
         ax.text(5.3, y + 0.55, label, fontsize=7)
     _box(
@@ -255,7 +255,7 @@ def sharded_norm(sizes: Sequence[int]) -> Figure:
         (n - 1) / 2,
         3.2,
         0.6,
-        "all_reduce(SUM) -> sqrt\n(inf-norm: all_reduce(MAX))",
+        "one collective ->\nthe same ||g|| on every rank",
         GREY,
         alpha=0.2,
         fontsize=8,
@@ -263,7 +263,9 @@ def sharded_norm(sizes: Sequence[int]) -> Figure:
     ax.set_xlim(-1.2, 9.8)
     ax.set_ylim(-0.3, n + 0.2)
     ax.axis("off")
-    ax.set_title("The global gradient norm of sharded gradients: one number per rank", fontsize=10)
+    ax.set_title(
+        "The global norm of sharded gradients: the norm of all entries together", fontsize=10
+    )
     return _done(fig)
 
 

@@ -3,8 +3,8 @@
 - ex1: the report compared with the reference's (which casts, where the kit's oracle derives
   thresholds); a wrong report named: the share taken over every entry (zeros included),
   subnormal values counted as underflow, a scale compared with ``finfo.max`` (the cast
-  rounds: up to 65519.99 stays finite), a scale one power of two too large, bfloat16's share
-  measured in float16;
+  rounds: up to 65519.99 stays finite), a scale one power of two too large, a scale search in
+  float32 that stops at 2**127 for tiny gradients, bfloat16's share measured in float16;
 - ex2: a wrong run matched against typical broken scalers (never grows, grows at every step,
   keeps counting good steps across an overflow, misses NaN, never skips, unscales twice,
   forgets that a step was skipped);
@@ -80,6 +80,14 @@ def _report_explain(inputs: dict, outputs: dict) -> str | None:
                     f"the largest entry is {top * want['max_scale']:.2f}, above finfo.max = "
                     "65504 but still finite in float16 (the cast rounds to nearest: values "
                     "below 65520 become 65504); test for inf after the cast"
+                )
+            if scale == 2.0**127 and want["max_scale"] > scale:
+                return (
+                    f"{what}: max_scale is 2**127 where it should be "
+                    f"2**{math.log2(want['max_scale']):g}: 2.0**128 is already inf in float32, "
+                    "so a search that multiplies float32 values by 2.0**k stops at k = 127 "
+                    "(here the largest |g| is below 65520 * 2**-128, about 1.9e-34); scale in "
+                    "float64, which holds every power of two such a gradient can need"
                 )
             if scale == 2 * want["max_scale"]:
                 return (

@@ -41,9 +41,12 @@ def fp16_report(grads):
 """
 
 
-_NONZERO = """    values = torch.cat([g.reshape(-1).float() for g in grads])
+_NONZERO = """    values = torch.cat([g.reshape(-1).double() for g in grads])
     values = values[values != 0]
 """
+#: The same in float32, the dtype the gradients come in: right everywhere but where the
+#: largest safe scale is above 2**127 (2.0**128 is inf in float32).
+_NONZERO_32 = _NONZERO.replace(".double()", ".float()")
 _RIGHT_SHARE = "        return (x.to(dtype) == 0).sum().item() / values.numel()"
 
 # exercise 2: the right scaler, pieces of which the mistakes replace
@@ -148,7 +151,7 @@ _ALL = [
         "ex1_fp16_report",
         "share_of_all_entries",  # the zeros (ReLU, an unused layer) counted in the denominator
         _report(
-            "    values = torch.cat([g.reshape(-1).float() for g in grads])\n",
+            "    values = torch.cat([g.reshape(-1).double() for g in grads])\n",
             "        nonzero = x[x != 0]\n"
             "        return (nonzero.to(dtype) == 0).sum().item() / x.numel()",
             _SCALE.replace("values.abs().max()", "values[values != 0].abs().max()"),
@@ -182,6 +185,12 @@ _ALL = [
         "bf16_measured_in_fp16",
         _report(_NONZERO, _RIGHT_SHARE, bf16="torch.float16"),
         "equals the float16 share",
+    ),
+    Mistake(
+        "ex1_fp16_report",
+        "scale_search_in_float32",  # the search multiplies float32 tensors by 2.0**k
+        _report(_NONZERO_32, _RIGHT_SHARE),
+        "is already inf in float32",
     ),
     # --- exercise 2: LossScaler ----------------------------------------------------------------
     Mistake(
@@ -287,6 +296,29 @@ _ALL = [
         ),
         "ranks ended with different weights",
     ),
+    Mistake(
+        "ex3_accumulation",
+        "forward_outside_no_sync",  # DDP decides in the forward: the backward syncs anyway
+        """%%writefile accum.py
+import contextlib
+
+
+def train_accumulated(ddp_model, optimizer, micro_batches, k, loss_fn):
+    steps = 0
+    for start in range(0, len(micro_batches), k):
+        group = micro_batches[start:start + k]
+        for i, (x, y) in enumerate(group):
+            loss = loss_fn(ddp_model(x), y) / len(group)
+            last = i == len(group) - 1
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+    return steps
+""",
+        "under ddp_model.no_sync()",
+    ),
     # --- exercise 4: amp_step -----------------------------------------------------------------
     Mistake(
         "ex4_amp_step",
@@ -344,6 +376,27 @@ _ALL = [
     scaler.update()"""
         ),
         "returned the norm after clipping",
+    ),
+    Mistake(
+        "ex4_amp_step",
+        "mingpt_no_unscale",  # pytorch/examples minGPT-ddp: clip, then scaler.step unscales
+        _AMP.format(
+            middle="""    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()"""
+        ),
+        "clipped the scaled gradients",
+    ),
+    Mistake(
+        "ex4_amp_step",
+        "no_zero_grad",  # the previous step's gradients are added into this one's
+        _AMP.replace("    optimizer.zero_grad(set_to_none=True)\n", "").format(
+            middle="""    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()"""
+        ),
+        "times the float32 step",
     ),
     # --- exercise 5: global_grad_norm ---------------------------------------------------------
     Mistake(

@@ -27,8 +27,15 @@ def _zero_share(values: torch.Tensor, nonzero: int, dtype: torch.dtype) -> float
 
 def fp16_report(grads: list[torch.Tensor]) -> dict[str, float]:
     """float16 underflow at scale 1, the largest power-of-two loss scale that overflows
-    nothing, the underflow left at that scale, and bfloat16's underflow (by casting)."""
-    flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+    nothing, the underflow left at that scale, and bfloat16's underflow (by casting).
+
+    The values are scaled in float64: a float32 gradient can need a scale up to about
+    2**165 (its largest magnitude as small as 2**-149), while in float32 ``2.0**128`` is
+    already inf. Casting a float64 value that float32 holds exactly to float16 or bfloat16
+    rounds as casting the float32 value does, so the shares are those of the float32
+    gradients.
+    """
+    flat = torch.cat([g.detach().reshape(-1).double() for g in grads])
     nz = flat[flat != 0]
     top = nz.abs().max()
     k = math.floor(math.log2(torch.finfo(torch.float16).max / float(top)))

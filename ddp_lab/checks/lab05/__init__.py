@@ -1,14 +1,15 @@
-"""Checks of lab 5 (mixed precision, gradient accumulation, clipping): five exercises, 18 points.
+"""Checks of lab 5 (mixed precision, gradient accumulation, clipping): five exercises, 16 points
+(and two written answers, 4 points, graded by hand).
 
 1. ``fp16_report(grads)`` (3): float16 underflow at scale 1, the largest safe power-of-two
    loss scale, the underflow left at that scale, bfloat16's underflow; judged against
    thresholds derived from ``torch.finfo``;
-2. ``LossScaler`` (5): a dynamic loss scaler; judged against ``torch.amp.GradScaler`` run on
+2. ``LossScaler`` (4): a dynamic loss scaler; judged against ``torch.amp.GradScaler`` run on
    the same inputs (scaled losses, scale trajectory, weights bit for bit);
-3. ``train_accumulated`` (4, file ``accum.py``, every rank): accumulation over ``k``
+3. ``train_accumulated`` (3, file ``accum.py``, every rank): accumulation over ``k``
    micro-batches with ``no_sync``; judged against one process on the big batch and by the
    all-reduces per optimizer step that the checker's communication hook counts;
-4. ``amp_step`` (3): scale -> backward -> unscale_ -> clip -> step -> update; judged against
+4. ``amp_step`` (3): one float16 or bfloat16 step with a scaler and clipping; judged against
    the float32 step with clipping on the true gradients;
 5. ``global_grad_norm`` (3, file ``grad_norm.py``, every rank): the norm of gradients
    sharded over ranks; judged against the norm of the concatenated gradients.
@@ -70,7 +71,8 @@ def _visible(grade_id: str, name: str, fn: Callable) -> None:
 
 
 def fp16_report(fn: Callable) -> None:
-    """Visible check of exercise 1: a small backward pass and values at the thresholds."""
+    """Visible check of exercise 1: a small backward pass, values at the thresholds, tiny
+    gradients (a scale above ``2**127``)."""
     _visible("test_ex1_fp16_report", "fp16_report", fn)
 
 

@@ -17,7 +17,12 @@ The case set holds gradients of a real backward pass (a small MLP with ReLU, so 
 are exactly 0, and a parameter with an all-zero gradient), large gradients (the largest scale
 is below 1), and values placed at the thresholds: ``2**-25`` and ``2**-134`` (rounded to 0),
 their neighbours just above (kept), and a largest magnitude that lands in (65504, 65520) at
-the answer's scale (finite: a comparison with ``finfo.max`` gives a scale half as large).
+the answer's scale (finite: a comparison with ``finfo.max`` gives a scale half as large);
+and tiny gradients, all below ``65520 * 2**-128`` (about 1.9e-34), many of them float32
+subnormals: their largest safe scale is above ``2**127``, beyond float32's range (a search
+that multiplies float32 tensors by ``2.0**k`` meets inf at ``k = 128`` and stops at
+``2**127``), and those at or below ``2**-134`` become 0 in bfloat16 although float32 holds
+them.
 """
 
 from __future__ import annotations
@@ -120,20 +125,33 @@ def _edges_case(gen: torch.Generator) -> list:
     return [torch.tensor(edges, dtype=torch.float32), torch.cat([body, torch.tensor([-top])])]
 
 
+def _tiny_case(gen: torch.Generator) -> list:
+    """Magnitudes from just below ``2**-113`` down to float32's subnormals (``2**-148``),
+    with ``2**-134`` (0 in bfloat16) and ``2**-133`` (bfloat16's smallest subnormal, kept):
+    the largest safe scale is ``2**129`` or more."""
+    top = randint(gen, 114, 125)
+    n = randint(gen, 20, 40)
+    exps = top + (148 - top) * torch.rand(n, generator=gen, dtype=torch.float64)
+    signs = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    body = (signs * torch.exp2(-exps)).float()
+    edges = torch.tensor([2.0**-134, -(2.0**-133), 2.0**-top], dtype=torch.float32)
+    return [body, edges]
+
+
 def make_inputs(gen: torch.Generator) -> dict:
-    """Three cases: a real backward pass (underflow between 5 % and 95 %), large gradients
-    (scale below 1), values at the thresholds."""
+    """Four cases: a real backward pass (underflow between 5 % and 95 %), large gradients
+    (scale below 1), values at the thresholds, tiny gradients (scale above ``2**127``)."""
     while True:
         backward = _backward_case(gen, (randint(gen, 6, 12), randint(gen, 8, 24), 4), 16)
         share = oracle(backward)["underflow"]
         if 0.05 < share < 0.95:
             break
-    return {"cases": [backward, _large_case(gen), _edges_case(gen)]}
+    return {"cases": [backward, _large_case(gen), _edges_case(gen), _tiny_case(gen)]}
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
-    """A smaller backward pass and the threshold values."""
-    return {"cases": [_backward_case(gen, (6, 8, 3), 8), _edges_case(gen)]}
+    """A smaller backward pass, the threshold values and tiny gradients."""
+    return {"cases": [_backward_case(gen, (6, 8, 3), 8), _edges_case(gen), _tiny_case(gen)]}
 
 
 def run(ns: dict, inputs: dict, workdir: Path | None) -> dict:

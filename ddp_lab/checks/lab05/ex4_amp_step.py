@@ -1,4 +1,4 @@
-"""Exercise 4, ``amp_step``: one mixed-precision optimizer step, with clipping, in order.
+"""Exercise 4, ``amp_step``: one mixed-precision optimizer step, with clipping.
 
 The checker hands the student's function a float32 model, plain SGD, a
 ``torch.amp.GradScaler("cpu", ...)`` (disabled in the bfloat16 case), a batch, ``max_norm``
@@ -214,7 +214,7 @@ def judge(inputs: dict, outputs: dict) -> str:
 EXERCISE = Exercise(
     "test_ex4_amp_step",
     ("ex4_amp_step",),
-    "scale, backward, unscale_, clip, step, update",
+    "a clipped mixed-precision step equals the float32 step",
     make_inputs,
     judge,
     run=run,
