@@ -337,9 +337,16 @@ def ex3_problem(case, plan):
 
 
 def _replay(
-    spec: dict, world: int, steps: str = "longest", worst: str = "global", grads: str = "global"
+    spec: dict,
+    world: int,
+    steps: str = "longest",
+    worst: str = "global",
+    grads: str = "global",
+    who: str = "rank 0",
 ) -> list[dict]:
-    """Every rank's (w, logs) as the script computes them, its all-reduces done by hand."""
+    """Every rank's (w, logs, printed lines) as the script computes them, its all-reduces
+    done by hand; ``who`` keeps the records (``"all logs"``) or prints them
+    (``"all print"``) on every rank instead of rank 0 alone."""
     x, y, b, n = spec["x"], spec["y"], spec["batch_size"], len(spec["y"])
     ws = [torch.zeros(x.shape[1], dtype=torch.float64) for _ in range(world)]
     logs = []
@@ -364,7 +371,15 @@ def _replay(
                     ws[r] = ws[r] - spec["lr"] * grad / count
                 elif parts[r][2]:
                     ws[r] = ws[r] - spec["lr"] * parts[r][0] / parts[r][2]
-    return [{"w": ws[r], "logs": logs if r == 0 else None} for r in range(world)]
+    lines = [f"epoch {e} step {k}: loss {loss:.4f}" for e, k, loss, _ in logs]
+    return [
+        {
+            "w": ws[r],
+            "logs": logs if r == 0 or who == "all logs" else [],
+            "printed": lines if r == 0 or who == "all print" else [],
+        }
+        for r in range(world)
+    ]
 
 
 def _fix_outputs(inputs: dict, **how) -> dict:
@@ -380,6 +395,8 @@ FIX_WRONGS = {
     "shortest_shard": ({"steps": "shortest"}, "stopped at the shortest shard"),
     "logs_own_worst": ({"worst": "own"}, "rank 0 logged its own largest squared error"),
     "no_gradient_all_reduce": ({"grads": "local"}, "weights differ from one process's"),
+    "every_rank_logs": ({"who": "all logs"}, "only rank 0 logs, the other ranks return"),
+    "every_rank_prints": ({"who": "all print"}, "only rank 0 prints"),
 }
 
 
@@ -472,6 +489,27 @@ def test_the_references_pass_the_graders_runs_on_2_and_3_ranks(tmp_path, gid, ce
     ex = EXERCISES[gid]
     outputs = _saved(run_ranks(ex, LAB, inputs, work, tmp_path, ex.timeout))
     assert "2 and 3 ranks" in _judge(gid)(inputs, outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "name", [m.name for m in MORE_MISTAKES if m.cell == "ex4_fix_hang"] or ["none"]
+)
+def test_more_fix_mistakes_fail_on_the_graders_runs_with_their_reason(tmp_path, name):
+    """The ex4 mistakes the grading rounds leave out, through the grader's path (every case
+    of make_inputs under torchrun on 2 and 3 ranks, the full judge)."""
+    if name == "none":
+        pytest.skip("every ex4 mistake runs through the real grader")
+    mistake = _mistake(name)
+    _write(tmp_path, mistake.source)
+    work = tmp_path / "work"
+    work.mkdir()
+    ex = EXERCISES["test_ex4_fix_hang"]
+    inputs = _inputs("test_ex4_fix_hang", 3)
+    outputs = _saved(run_ranks(ex, LAB, inputs, work, tmp_path, ex.timeout))
+    with pytest.raises(CheckFailed, match=re.escape(mistake.reason)):
+        _judge("test_ex4_fix_hang")(inputs, outputs)
 
 
 def _hang_script() -> str:

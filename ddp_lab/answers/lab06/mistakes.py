@@ -261,6 +261,10 @@ _FIX_BODY = """            idx = mine[start:start + batch_size]
             w -= lr * grad / count
     return w, logs
 """
+_STEPS = """        n_steps = math.ceil(math.ceil(len(x) / world) / batch_size)
+        for step in range(n_steps):
+            start = step * batch_size
+"""
 _LOG_ALL = """                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if rank == 0:
                     logs.append([epoch, step, (loss_sum / count).item(), worst.item()])"""
@@ -315,6 +319,19 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
     ),
     Mistake(
         "ex4_fix_hang",
+        "every_rank_logs",  # the collective moved out of the rank-0 branch, the records too
+        _FIX_HEAD
+        + _STEPS
+        + _FIX_BODY.format(
+            log="""                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                logs.append([epoch, step, (loss_sum / count).item(), worst.item()])
+                if rank == 0:
+                    print(f"epoch {epoch} step {step}: loss {logs[-1][2]:.4f}")"""
+        ),
+        "only rank 0 logs, the other ranks return []",
+    ),
+    Mistake(
+        "ex4_fix_hang",
         "shortest_shard",  # every rank stops where the shortest shard ends
         _FIX_HEAD
         + """        n_steps = math.ceil((len(x) // world) / batch_size)
@@ -323,6 +340,18 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
 """
         + _FIX_BODY.format(log=_LOG_ALL),
         "stopped at the shortest shard",
+    ),
+    Mistake(
+        "ex4_fix_hang",
+        "every_rank_prints",  # the records on rank 0, but every rank prints them
+        _FIX_HEAD
+        + _STEPS
+        + _FIX_BODY.format(
+            log=_LOG_ALL
+            + """
+                print(f"epoch {epoch} step {step}: loss {(loss_sum / count).item():.4f}")"""
+        ),
+        "only rank 0 prints",
     ),
 ]
 

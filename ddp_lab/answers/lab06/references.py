@@ -148,7 +148,8 @@ def rollback_plan(history, drop):
 
 def fixed_train(x, y, epochs, batch_size, lr, log_every, seed=0):
     """``hang_train.py``'s train, fixed: every rank takes every step (empty batches join
-    with zeros) and every collective (the logging maximum too)."""
+    with zeros) and every collective (the logging maximum too); only rank 0 logs (returns
+    and prints the records)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     w = torch.zeros(x.shape[1], dtype=torch.float64)
     logs = []
@@ -173,6 +174,7 @@ def fixed_train(x, y, epochs, batch_size, lr, log_every, seed=0):
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if rank == 0:
                     logs.append([epoch, step, (loss_sum / count).item(), worst.item()])
+                    print(f"epoch {epoch} step {step}: loss {logs[-1][2]:.4f}")
             w -= lr * grad / count
     return w, logs
 

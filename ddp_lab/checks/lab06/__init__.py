@@ -1,16 +1,22 @@
-"""Checks of lab 6 (checkpoints, elastic restarts and faults): four exercises, 18 points.
+"""Checks of lab 6 (checkpoints, elastic restarts and faults): four exercises, 14 points,
+and three written answers (6 points).
 
-1. ``save_checkpoint`` / ``load_checkpoint`` (5): atomic, checksummed; judged by failures
+1. ``save_checkpoint`` / ``load_checkpoint`` (4): atomic, checksummed; judged by failures
    the checker injects while a save runs (an exception mid-write, a full disk), the SHA-256
    of the previous checkpoint, the ``fsync`` and ``rename`` calls it records, and damaged
    files (truncated, a byte flipped) that must raise ``ValueError``;
-2. ``train`` in ``resume.py`` (6, every rank): checkpoints and a resume mid-epoch; the
+2. ``train`` in ``resume.py`` (5, every rank): checkpoints and a resume mid-epoch; the
    checker interrupts the run at steps of its choice and the resumed run must end with the
    uninterrupted run's weights bit for bit on every rank (the judge computes that run);
-3. ``rollback_plan`` (3): the rollback rule over a run's evaluations; judged by the rule's
+3. ``rollback_plan`` (2): the rollback rule over a run's evaluations; judged by the rule's
    properties on histories built with every edge case;
-4. ``fixed_train.py`` (4, every rank): the hanging script fixed; judged against one process
-   on uneven data, 2 and 3 ranks, under a watchdog.
+4. ``fixed_train.py`` (3, every rank): the hanging script fixed; judged against one process
+   on uneven data, 2 and 3 ranks, under a watchdog, with what every rank prints and returns
+   (only rank 0 logs).
+
+The lab's three written answers (6 points: the hang diagnosed from its logs, where
+``torch.load`` without ``map_location`` puts the tensors, the checkpoint interval) are graded
+by hand.
 
 One file per exercise holds its contract (case set, run, judge). The functions below are the
 notebook's visible checks: each runs its exercise on small fixed inputs through

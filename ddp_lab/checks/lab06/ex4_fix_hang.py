@@ -21,12 +21,16 @@ global batch: the next ``batch_size`` samples of every rank's shard; the mean of
 per-sample gradients over it), and asks for: the same weights on every rank, equal to it
 (float64, 1e-9); rank 0's logs equal to the global batches' mean loss and largest squared
 error at the logging steps. A "fix" that drops a collective, skips samples or logs rank 0's
-own numbers fails.
+own numbers fails. Logging is rank 0's alone (the checker captures what each rank prints
+during ``train``): rank 0 prints one line per record, every other rank returns ``[]`` as its
+records and prints nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 
 import torch
 import torch.distributed as dist
@@ -112,7 +116,8 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list[
                 "call the same collectives, and take the same number of steps?"
             )
 
-        with guards.call_watchdog(CALL_S, why):
+        printed = io.StringIO()
+        with guards.call_watchdog(CALL_S, why), contextlib.redirect_stdout(printed):
             got = train(
                 spec["x"].clone(),
                 spec["y"].clone(),
@@ -123,10 +128,11 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list[
                 seed=spec["seed"],
             )
         _all_back(rank, world, i)
+        lines = [line for line in printed.getvalue().splitlines() if line.strip()]
         if isinstance(got, (tuple, list)) and len(got) == 2:
-            out.append({"w": got[0], "logs": got[1] if rank == 0 else None})
+            out.append({"w": got[0], "logs": got[1], "printed": lines})
         else:
-            out.append({"w": got, "logs": None})
+            out.append({"w": got, "logs": None, "printed": lines})
     return out
 
 
@@ -200,7 +206,35 @@ def run_problem(spec: dict, world: int, ranks: list[dict]) -> str | None:
                 "rank taking part in every step (with no sample left, a rank still joins the "
                 "all-reduce with zeros)"
             )
-    return _logs_problem(ranks[0]["logs"], want_logs, at)
+    if why := _logs_problem(ranks[0]["logs"], want_logs, at):
+        return why
+    return _rank0_only_problem(ranks, len(want_logs), at)
+
+
+def _rank0_only_problem(ranks: list[dict], records: int, at: str) -> str | None:
+    """Logging is rank 0's alone: rank 0 prints one line per record, the others return
+    ``[]`` and print nothing."""
+    for rank, got in enumerate(ranks[1:], start=1):
+        if got.get("logs") != []:
+            logs = got.get("logs")
+            what = f"{len(logs)} records" if isinstance(logs, list) else repr(logs)[:40]
+            return (
+                f"{at}: rank {rank} returned {what} as its logs; only rank 0 logs, the other "
+                "ranks return [] (they take part in every collective, but keep no records)"
+            )
+        if got.get("printed"):
+            return (
+                f"{at}: rank {rank} printed {len(got['printed'])} line(s), e.g. "
+                f"{got['printed'][0]!r:.60}; only rank 0 prints (one line per record): on "
+                f"{len(ranks)} ranks every line would appear {len(ranks)} times"
+            )
+    printed = ranks[0].get("printed") or []
+    if len(printed) != records:
+        return (
+            f"{at}: rank 0 printed {len(printed)} line(s) for {records} records; it prints "
+            "one line per record"
+        )
+    return None
 
 
 def judge(inputs: dict, outputs: dict) -> str:
@@ -218,7 +252,8 @@ def judge(inputs: dict, outputs: dict) -> str:
     sizes = first(len(s["y"]) for c in inputs["cases"] for s in c["runs"])
     return (
         f"fixed_train.py finished {runs} runs on {worlds} ranks ({sizes} samples: uneven "
-        "shards, empty last batches, a rank without data) with one process's weights and logs"
+        "shards, empty last batches, a rank without data) with one process's weights and logs, "
+        "logged by rank 0 alone"
     )
 
 
