@@ -5,7 +5,8 @@
   outputs and reject each typical wrong one, built without student processes;
 - on real ranks (one gloo job of 3 processes per exercise): the reference and the notebook's
   solution pass: the sharded AdamW equals ``torch.optim.AdamW`` to 1e-6 after 10 steps on 2
-  and 3 ranks, the pipeline equals the unsplit model, the tensor-parallel layers equal
+  and 3 ranks (a frozen parameter and one without a gradient at some steps skipped as AdamW
+  skips them), the pipeline equals the unsplit model, the tensor-parallel layers equal
   ``nn.Linear`` forward and backward; every other mistake fails with its reason;
 - the visible checks pass on the solutions and fail on a mistake with its message;
 - facts: FSDP2 (``fully_shard``) runs on the CPU with gloo and trains DDP's weights with a
@@ -76,16 +77,20 @@ def test_every_draw_holds_every_edge_case():
         assert {r["dtype"] for r in runs} == {"float32", "float64"}
         assert all(len(r["grads"]) == ex2.STEPS >= 10 for r in runs)
         assert any([1] in r["shapes"] for r in runs), "a one-number parameter"
+        assert [bool(r["frozen"]) for r in runs] == [True, False, True, True, False]
+        assert [bool(r["skips"]) for r in runs] == [True, False, False, True, False]
+        assert 0 in next(iter(runs[0]["skips"].values())), "no gradient at the first step"
         for r in runs:
+            assert not r["frozen"] or r["weight_decay"] >= 0.03, "decay moves a zeroed one"
+            for i, steps in r["skips"].items():
+                assert int(i) not in r["frozen"] and len(set(steps)) == 2
             if r["max_norm"] is None:
                 continue
             norms = [
                 float(
-                    torch.cat(
-                        [torch.stack(g).mean(0).reshape(-1) for g in zip(*st, strict=True)]
-                    ).norm()
+                    torch.cat([g.reshape(-1) for g in ex2.mean_grads(r, k) if g is not None]).norm()
                 )
-                for st in r["grads"]
+                for k in range(len(r["grads"]))
             ]
             assert min(norms) < r["max_norm"] < max(norms), "some steps clip, some do not"
         assert sum(r["max_norm"] is None for r in runs) == 2
@@ -127,9 +132,15 @@ def test_memory_judge_accepts_the_reference_and_rejects_every_mistake_every_draw
         assert_verdicts(_judge(gid), seed, inputs, right, wrongs)
 
 
-def _summed(spec: dict) -> list[list[torch.Tensor]]:
-    """Each step's gradients summed over the ranks (not averaged)."""
-    return [[torch.stack(g).sum(0) for g in zip(*step, strict=True)] for step in spec["grads"]]
+def _summed(spec: dict) -> list[list[torch.Tensor | None]]:
+    """Each step's gradients summed over the ranks (not averaged), None where none."""
+    return [
+        [
+            torch.stack(g).sum(0) if ex2.has_grad(spec, i, s) else None
+            for i, g in enumerate(zip(*step, strict=True))
+        ]
+        for s, step in enumerate(spec["grads"])
+    ]
 
 
 def _zero_outputs(inputs: dict, how: str = "right", oracles: list | None = None) -> dict:
@@ -145,6 +156,7 @@ def _zero_outputs(inputs: dict, how: str = "right", oracles: list | None = None)
             "steps_everything": lambda spec=spec, i=i: oracles[i] if oracles else ex2.oracle(spec),
             "all_reduce_params": lambda spec=spec: hid._averaged_updates(spec)[0],
             "sums_gradients": lambda spec=spec: ex2.oracle(spec, _summed(spec).__getitem__),
+            "zero_grad_for_frozen": lambda spec=spec: ex2.oracle(spec, hid._zero_for_none(spec)),
         }[how]()
         held = 2 * n * size if how == "steps_everything" else 3 * -(-n // spec["ranks"]) * size
         for r in range(case["world_size"]):
@@ -157,13 +169,18 @@ def test_zero_judge_accepts_adamw_and_rejects_the_mistakes_every_draw():
     for seed in SEEDS:
         inputs = _inputs("test_ex2_zero", seed)
         oracles = [ex2.oracle(spec) for spec in inputs["cases"][0]["runs"]]
-        names = ("steps_everything", "all_reduce_params", "sums_gradients")
+        names = ("zero_grad_for_frozen", "steps_everything", "all_reduce_params", "sums_gradients")
         wrongs = {
             n: _zero_outputs(inputs, n, oracles) for n in (names if seed in FEW else names[:1])
         }
         assert_verdicts(judge, seed, inputs, _zero_outputs(inputs, "right", oracles), wrongs)
     inputs = _inputs("test_ex2_zero", 0)
-    reasons = ("ZeRO keeps about three", "moved 1/N", "summed the ranks")
+    reasons = (
+        "was given a zero gradient",
+        "ZeRO keeps about three",
+        "moved 1/N",
+        "summed the ranks",
+    )
     for name, reason in zip(names, reasons, strict=True):
         with pytest.raises(CheckFailed, match=reason):
             judge(inputs, _zero_outputs(inputs, name))
@@ -413,7 +430,10 @@ def test_fsdp_runs_on_the_cpu_with_gloo_and_trains_ddps_weights_with_half_the_me
         assert all(row[part] < 4 * n for row in runs["fsdp"]["ranks"])
     assert all(row["optimizer"] == 8 * n for row in runs["ddp"]["ranks"])
     assert sum(row["optimizer"] for row in runs["zero1 (torch)"]["ranks"]) == 8 * n
-    assert all(row["optimizer"] <= 3 * 4 * -(-n // 2) + 8 for row in runs["zero (yours)"]["ranks"])
+    counters = 4 * len(res["numels"])  # AdamW's 0-d step counters, one per parameter's piece
+    assert all(
+        row["optimizer"] <= 3 * 4 * -(-n // 2) + counters for row in runs["zero (yours)"]["ranks"]
+    )
 
 
 def test_an_ideal_gpipe_schedule_idles_the_formulas_share():
@@ -452,8 +472,30 @@ def test_hybrid_layout_groups_cover_every_rank_once_per_kind():
         assert sorted(r for g in groups[kind] for r in g) == list(range(16))
         assert all(len(g) == size for g in groups[kind])
     assert groups["tensor"][0] == [0, 1, 2, 3], "tensor groups are neighbours (one node)"
+    node = {r: r // 8 for r in range(16)}  # two nodes of 8 GPUs
+    assert all(len({node[r] for r in g}) == 1 for g in groups["tensor"] + groups["data"])
+    assert all(len({node[r] for r in g}) == 2 for g in groups["pipeline"]), "stages across nodes"
+    for r in range(16):  # the notebook's formula r = (pp d + dd) t + tt, pipeline outermost
+        d, p, t = hybrid.coords(r, dp=2, tp=4)
+        assert (p * 2 + d) * 4 + t == r
     plan = hybrid.plan(8, 64, 16, 32, 2, 2, 2, 4, ref.memory_per_rank, zero_stage=1)
     assert plan["params"] == 12 * 64 * 64 * 8 // 4 and plan["bubble"] == pytest.approx(1 / 5)
+
+
+def test_hybrid_plan_keeps_adamw_state_in_float32_16_bytes_per_parameter():
+    """bf16 parameters and gradients (2 + 2), fp32 master weights and moments (12)."""
+    n = 12 * 64 * 64 * 8 // 4
+    whole = hybrid.plan(8, 64, 16, 32, 2, 2, 2, 4, ref.memory_per_rank, zero_stage=0)
+    assert whole["memory"] == {
+        "params": 2 * n,
+        "grads": 2 * n,
+        "optimizer": 12 * n,
+        "total": 16 * n,
+    }
+    fp32 = hybrid.plan(8, 64, 16, 32, 2, 2, 2, 4, ref.memory_per_rank, 0, 4, 4)
+    assert fp32["memory"]["total"] == 16 * n and fp32["memory"]["optimizer"] == 8 * n
+    sharded = hybrid.plan(8, 64, 16, 32, 2, 2, 2, 4, ref.memory_per_rank, zero_stage=1)
+    assert sharded["memory"]["optimizer"] == 12 * n // 2
 
 
 @pytest.mark.slow
@@ -473,3 +515,17 @@ def test_a_deadlocking_pipeline_is_stopped_and_leaves_no_process(tmp_path):
     with pytest.raises(CheckFailed, match="did not finish within"):
         run_ranks(ex, LAB, inputs, work, tmp_path, timeout=25)
     assert not new_leftovers(before, str(tmp_path))
+
+
+def test_gpipe_step_is_never_called_on_a_rank_past_the_last_stage(tmp_path, monkeypatch):
+    """The docstring's contract: ranks from n_stages on do not call gpipe_step (rank 2 of the
+    two-stage runs gets None without the student's function running)."""
+    (tmp_path / "pipeline.py").write_text(
+        "def gpipe_step(*args):\n    raise AssertionError('called on a rank past the pipeline')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    inputs = _inputs("test_ex3_pipeline", 0)
+    case = inputs["cases"][0]
+    two = {**case, "runs": [r for r in case["runs"] if r["stages"] == 2]}
+    assert len(two["runs"]) == 2
+    assert ex3.run_rank({}, inputs, two, 2, 3) == [None, None]

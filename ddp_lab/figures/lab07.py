@@ -7,6 +7,7 @@ answer takes the student's function (or the student's measured results) as an ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -99,7 +100,7 @@ def memory_over_worlds(
 def zero_step(world: int = 3, numbers: int = 8) -> Figure:
     """One step of a sharded AdamW: reduce-scatter, update the own chunk, all-gather; the
     flat vector padded to ``world * ceil(numbers / world)`` so that every chunk has one size."""
-    chunk = -(-numbers // world)
+    chunk = math.ceil(numbers / world)
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.75 * world))
     cols = [
         ("every rank's own\ngradient (padded)", "all"),
@@ -224,7 +225,8 @@ def bubble_curve(measured: Mapping[int, float], stages: int) -> Figure:
 
 
 def tensor_parallel(world: int = 2) -> Figure:
-    """Column- and row-parallel linear layers, and the MLP block: where the all-reduces are."""
+    """Column- and row-parallel linear layers in the MLP block: what each rank holds, and the
+    two places (f and g) where the ranks may have to communicate."""
     fig, ax = plt.subplots(figsize=(10, 2.6 + 0.5 * world))
     h = 0.9
     for r in range(world):
@@ -244,12 +246,12 @@ def tensor_parallel(world: int = 2) -> Figure:
         top + 0.1,
         2.4,
         0.6,
-        "all-reduce: Y = sum Y_r + b",
+        "g: Y from the partial Y_r ?",
         COLORS[3],
         alpha=0.4,
         fontsize=8,
     )
-    _box(ax, -0.3, top + 0.1, 2.6, 0.6, "backward: all-reduce dX", COLORS[3], alpha=0.4, fontsize=8)
+    _box(ax, -0.3, top + 0.1, 2.6, 0.6, "f: X in, dX back ?", COLORS[3], alpha=0.4, fontsize=8)
     ax.text(
         4.6,
         -0.55,
@@ -266,12 +268,12 @@ def tensor_parallel(world: int = 2) -> Figure:
 
 def hybrid_layout(dp: int, tp: int, pp: int, gpus_per_node: int = 8) -> Figure:
     """GPUs of a ``dp x tp x pp`` job by node: colour = pipeline stage, label = coordinates;
-    tensor groups sit inside a node, stages across nodes, replicas outermost."""
+    tensor groups sit inside a node, replicas next, pipeline stages outermost (across nodes)."""
     world = dp * tp * pp
-    nodes = -(-world // gpus_per_node)
+    nodes = math.ceil(world / gpus_per_node)
     fig, ax = plt.subplots(figsize=(min(12, 1.2 * gpus_per_node + 1), 0.6 + 0.8 * nodes))
     for rank in range(world):
-        d, p, t = coords(rank, tp, pp)
+        d, p, t = coords(rank, dp, tp)
         node, slot = divmod(rank, gpus_per_node)
         y = nodes - 1 - node
         _box(

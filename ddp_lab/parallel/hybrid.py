@@ -1,18 +1,22 @@
 """Hybrid layouts: ``data x tensor x pipeline`` degrees -> who talks to whom, memory and
 communication per GPU and step.
 
-The seeds' hybrid parallelism, the way Megatron-LM and its successors lay it out on
-``dp * tp * pp`` GPUs: tensor parallelism inside a node (its all-reduces run every layer,
-on the fastest links), pipeline stages across nodes (one activation per micro-batch goes
-to the next stage), data parallelism outermost (one gradient all-reduce per step). Rank
-``r`` sits at ``(data d, pipeline p, tensor t)`` with ``r = (d * pp + p) * tp + t``.
+The seeds' hybrid parallelism, the way Megatron-LM lays it out on ``dp * tp * pp`` GPUs
+(its default rank order ``"tp-cp-ep-dp-pp"`` in ``megatron/core/parallel_state.py``,
+``initialize_model_parallel``: tensor fastest, pipeline outermost). Rank ``r`` sits at
+``(data d, pipeline p, tensor t)`` with ``r = (p * dp + d) * tp + t``: a tensor group is
+``tp`` neighbouring GPUs of one node (its all-reduces run every layer, on the fastest
+links), a data group steps by ``tp`` (one gradient all-reduce per step, overlapped with
+backward), and a pipeline group steps by ``dp * tp``, so its stages land on different
+nodes (one activation per micro-batch and cut, the least traffic, on the slowest links).
 
 :func:`plan` is a small calculator for a GPT-like transformer (``layers`` blocks of width
 ``hidden``, about ``12 * hidden**2`` parameters per block, embeddings left out). It takes
 the memory function as an argument: your ``memory_per_rank`` of lab 7's exercise 1, applied
 to the data-parallel group of a GPU's parameters. Communication counts the bytes one GPU
 sends per training step with ring collectives (an all-reduce of ``S`` bytes over ``n``
-GPUs sends ``2 (n - 1) / n * S``), in the precision of ``bytes_per_number``:
+GPUs sends ``2 (n - 1) / n * S``: a reduce-scatter and an all-gather, ``(n - 1) / n * S``
+each), in the precision of ``bytes_per_number``:
 
 - data: the gradient all-reduce (ZeRO stage 3: all-gather twice and a reduce-scatter,
   ``3 (n - 1) / n * S``);
@@ -21,8 +25,9 @@ GPUs sends ``2 (n - 1) / n * S``), in the precision of ``bytes_per_number``:
 - pipeline: per micro-batch one activation forward and one gradient backward.
 
 Example:
-    >>> layout(dp=2, tp=2, pp=2)["tensor"][:2]
-    [[0, 1], [2, 3]]
+    >>> groups = layout(dp=2, tp=2, pp=2)
+    >>> groups["tensor"][:2], groups["data"][:2], groups["pipeline"][:2]
+    ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 4], [1, 5]])
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def coords(rank: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """``(data, pipeline, tensor)`` coordinates of ``rank``.
+def coords(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """``(data, pipeline, tensor)`` coordinates of ``rank``: the inverse of
+    ``r = (p * dp + d) * tp + t``.
 
     Example:
-        >>> coords(5, tp=2, pp=2)
-        (1, 0, 1)
+        >>> coords(5, dp=2, tp=2)
+        (0, 1, 1)
     """
-    return rank // (tp * pp), (rank // tp) % pp, rank % tp
+    return (rank // tp) % dp, rank // (tp * dp), rank % tp
 
 
 def layout(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
@@ -49,9 +55,9 @@ def layout(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
         the stages in order) and data group (same stage and tensor slice: the replicas).
     """
     world = dp * tp * pp
-    ranks = {coords(r, tp, pp): r for r in range(world)}
-    return {
-        "tensor": [[ranks[d, p, t] for t in range(tp)] for d in range(dp) for p in range(pp)],
+    ranks = {coords(r, dp, tp): r for r in range(world)}
+    return {  # each kind's groups in the order of their first rank
+        "tensor": [[ranks[d, p, t] for t in range(tp)] for p in range(pp) for d in range(dp)],
         "pipeline": [[ranks[d, p, t] for p in range(pp)] for d in range(dp) for t in range(tp)],
         "data": [[ranks[d, p, t] for d in range(dp)] for p in range(pp) for t in range(tp)],
     }
@@ -73,8 +79,16 @@ def plan(
     memory_fn: Callable,
     zero_stage: int = 1,
     bytes_per_number: int = 2,
+    state_bytes: int = 4,
 ) -> dict:
     """Memory and communication per GPU and step of one layout.
+
+    Mixed-precision AdamW, as the ZeRO paper counts it (and as recipes keep it):
+    ``bytes_per_number`` (bf16: 2) for the parameters and the gradients, ``state_bytes``
+    (fp32: 4) for each of the optimizer's three numbers per parameter: the master copy of
+    the weights, ``exp_avg`` and ``exp_avg_sq``. With 2 and 4 that is ``2 + 2 + 12 = 16``
+    bytes per parameter. When both are the same (plain fp32 training) there is no master
+    copy: ``4 + 4 + 8``.
 
     Args:
         layers, hidden, seq: the transformer (blocks, width, tokens per sequence).
@@ -84,18 +98,29 @@ def plan(
         memory_fn: ``memory_fn(numels, bytes_per_number, world_size, stage)``, a list of
             per-rank dicts of bytes (lab 7, exercise 1).
         zero_stage: ZeRO stage over the data-parallel group.
-        bytes_per_number: 2 for bf16 parameters and gradients (their AdamW state counts
-            the same here; real mixed precision keeps fp32 moments and master weights).
+        bytes_per_number: bytes of a parameter, a gradient and an activation (2: bf16).
+        state_bytes: bytes of one optimizer-state number (4: fp32).
 
     Returns:
-        ``params`` (numbers per GPU), ``memory`` (the most loaded rank's dict from
-        ``memory_fn``, plus ``total``), ``comm`` (bytes sent per step: ``data``, ``tensor``,
-        ``pipeline``, ``total``), ``bubble`` and ``micro_batch`` (sequences).
+        ``params`` (numbers per GPU), ``memory`` (the most loaded rank's ``params``,
+        ``grads`` and ``optimizer`` bytes, plus ``total``), ``comm`` (bytes sent per step:
+        ``data``, ``tensor``, ``pipeline``, ``total``), ``bubble`` and ``micro_batch``
+        (sequences).
     """
     if layers % pp or global_batch % (dp * micro_batches):
         raise ValueError("layers must split over pp, the batch over dp x micro_batches")
     per_gpu = 12 * hidden * hidden * layers // (tp * pp)
-    rows = memory_fn([per_gpu], bytes_per_number, dp, zero_stage)
+    low = memory_fn([per_gpu], bytes_per_number, dp, zero_stage)  # params and grads
+    high = memory_fn([per_gpu], state_bytes, dp, zero_stage)  # the two moments, fp32
+    master = state_bytes != bytes_per_number  # a master copy, sharded like the moments
+    rows = [
+        {
+            "params": lo["params"],
+            "grads": lo["grads"],
+            "optimizer": hi["optimizer"] + (hi["optimizer"] // 2 if master else 0),
+        }
+        for lo, hi in zip(low, high, strict=True)
+    ]
     memory = dict(max(rows, key=lambda r: sum(r.values())))
     memory["total"] = sum(memory.values())
     mb = global_batch // (dp * micro_batches)

@@ -6,7 +6,8 @@
   that are not whole);
 - ex2: wrong parameters matched against twins of AdamW run in this process: the ranks'
   updates averaged by an all-reduce (each moves ``1/N`` of the way), gradients summed
-  instead of averaged, no clipping, each chunk clipped by its own norm, a tail of the flat
+  instead of averaged, a zero gradient for a parameter without one (AdamW moves it), no
+  clipping, each chunk clipped by its own norm, a tail of the flat
   vector that never changes;
 - ex3: wrong gradients matched against the loss not divided by the number of
   micro-batches and the gradient of one micro-batch alone;
@@ -123,8 +124,20 @@ def _chunks(spec: dict) -> list[tuple[int, int]]:
     return [(min(r * c, n), min((r + 1) * c, n)) for r in range(spec["ranks"])]
 
 
-def _mean_grads(spec: dict, s: int) -> list[torch.Tensor]:
-    return [torch.stack(g).mean(0) for g in zip(*spec["grads"][s], strict=True)]
+def _mean_grads(spec: dict, s: int) -> list[torch.Tensor | None]:
+    return ex2.mean_grads(spec, s)
+
+
+def _zero_for_none(spec: dict):
+    """Every parameter without a gradient given a zero one (AdamW then moves it)."""
+
+    def grads_of(s: int) -> list[torch.Tensor]:
+        return [
+            torch.zeros_like(t) if g is None else g
+            for g, t in zip(_mean_grads(spec, s), spec["init"], strict=True)
+        ]
+
+    return grads_of
 
 
 def _averaged_updates(spec: dict) -> list[list[torch.Tensor]]:
@@ -163,14 +176,19 @@ def _chunk_clipped(spec: dict):
 
     def grads_of(s: int) -> list[torch.Tensor]:
         mean = _mean_grads(spec, s)
-        flat = torch.cat([g.reshape(-1) for g in mean])
+        flat = torch.cat(
+            [
+                (torch.zeros_like(t) if g is None else g).reshape(-1)
+                for g, t in zip(mean, spec["init"], strict=True)
+            ]
+        )
         for lo, hi in _chunks(spec):
             coef = spec["max_norm"] / (float(flat[lo:hi].double().norm()) + 1e-6)
             flat[lo:hi] *= min(1.0, coef)
         out, i = [], 0
-        for g in mean:
-            out.append(flat[i : i + g.numel()].view_as(g).clone())
-            i += g.numel()
+        for g, t in zip(mean, spec["init"], strict=True):
+            out.append(None if g is None else flat[i : i + t.numel()].view_as(t).clone())
+            i += t.numel()
         return out
 
     return grads_of
@@ -196,7 +214,11 @@ def _zero_explain(inputs: dict, outputs: dict) -> str | None:
             tol = ex2.ATOL[spec["dtype"]]
             no_clip = {**spec, "max_norm": None}
             summed = [
-                [torch.stack(g).sum(0) for g in zip(*step, strict=True)] for step in spec["grads"]
+                [
+                    torch.stack(g).sum(0) if ex2.has_grad(spec, k, s) else None
+                    for k, g in enumerate(zip(*step, strict=True))
+                ]
+                for s, step in enumerate(spec["grads"])
             ]
             averaged = (
                 "each rank's parameters moved 1/N of the way: an all-reduce averaged the "
@@ -211,6 +233,16 @@ def _zero_explain(inputs: dict, outputs: dict) -> str | None:
                     "clipping are not",
                 ),
             ]
+            if spec["frozen"] or spec["skips"]:
+                twins.append(
+                    (
+                        ex2.oracle(spec, _zero_for_none(spec)),
+                        "a parameter without a gradient (.grad None: frozen, or unused in a "
+                        "step) was given a zero gradient, so AdamW moved it (weight decay, and "
+                        "the momentum of earlier steps); torch.optim.AdamW skips such a "
+                        "parameter: no update, no decay, its step count unchanged",
+                    )
+                )
             if spec["max_norm"] is not None:
                 twins += [
                     (

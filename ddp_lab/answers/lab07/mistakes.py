@@ -53,15 +53,25 @@ class ShardedAdamW:
         self.size = size = {size}
         self.lo = min(self.r * size, total)
         self.hi = min(self.lo + size, total)
-        flat = torch.cat([p.detach().flatten() for p in self.params])
-        self.mine = torch.nn.Parameter(flat[self.lo:self.hi].clone())
-        self.opt = torch.optim.AdamW([self.mine], lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay)
+        # my chunk, one piece per parameter: AdamW keeps a step count per parameter
+        self.parts = []
+        start = 0
+        for i, p in enumerate(self.params):
+            a, b = max(self.lo, start), min(self.hi, start + p.numel())
+            if a < b:
+                piece = torch.nn.Parameter(p.detach().flatten()[a - start:b - start].clone())
+                self.parts.append((i, a - self.lo, b - self.lo, piece))
+            start += p.numel()
+        self.opt = None
+        if self.parts:
+            self.opt = torch.optim.AdamW([t for *_, t in self.parts], lr=lr, betas=betas,
+                                         eps=eps, weight_decay=weight_decay)
 """
 _ZERO_GRADS = """
     @torch.no_grad()
     def step(self):
-        g = torch.cat([p.grad.flatten() for p in self.params])
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                       for p in self.params])
         dist.all_reduce(g, group=self.group)
         g /= self.n
 """
@@ -70,12 +80,18 @@ _ZERO_CLIP_FULL = """        if self.max_norm is not None:
             if coef < 1:
                 g *= coef
 """
-_ZERO_UPDATE = """        self.mine.grad = g[self.lo:self.hi].clone()
-        self.opt.step()
-        self.mine.grad = None
+_ZERO_UPDATE = """        mine = g[self.lo:self.hi]
+        for i, a, b, t in self.parts:
+            t.grad = None if self.params[i].grad is None else mine[a:b].clone()
+        if self.opt is not None:
+            self.opt.step()
+        new = torch.zeros(self.hi - self.lo, dtype=g.dtype)
+        for _, a, b, t in self.parts:
+            t.grad = None
+            new[a:b] = t
 """
 _ZERO_GATHER = """        piece = torch.zeros(self.size, dtype=g.dtype)
-        piece[:len(self.mine)] = self.mine
+        piece[:len(new)] = new
         pieces = [torch.zeros_like(piece) for _ in range(self.n)]
         dist.all_gather(pieces, piece, group=self.group)
         flat = torch.cat(pieces)
@@ -250,7 +266,7 @@ _ALL = [
         + _ZERO_CLIP_FULL
         + _ZERO_UPDATE
         + """        flat = torch.cat([p.flatten() for p in self.params])
-        flat[self.lo:self.hi] = self.mine
+        flat[self.lo:self.hi] = new
         dist.all_reduce(flat, group=self.group)
         flat /= self.n
         i = 0
@@ -259,6 +275,61 @@ _ALL = [
             i += p.numel()
 """,
         "an all-reduce averaged",
+    ),
+    Mistake(
+        "ex2_zero",
+        "zero_grad_for_frozen",  # a parameter without a gradient gets zeros: AdamW moves it
+        """%%writefile zero.py
+import torch
+import torch.distributed as dist
+
+
+class ShardedAdamW:
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 max_norm=None, group=None):
+        self.params = list(params)
+        self.group = group
+        self.max_norm = max_norm
+        self.n = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        total = sum(p.numel() for p in self.params)
+        self.c = -(-total // self.n)
+        self.lo = min(rank * self.c, total)
+        self.hi = min(self.lo + self.c, total)
+        with torch.no_grad():
+            flat = torch.cat([p.reshape(-1) for p in self.params])
+            self.mine = torch.nn.Parameter(flat[self.lo:self.hi].clone())
+        self.opt = torch.optim.AdamW([self.mine], lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        padded = torch.zeros(self.n * self.c, dtype=self.mine.dtype)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        padded[:flat.numel()] = flat
+        out = torch.empty(self.c, dtype=flat.dtype)
+        dist.reduce_scatter_single(out, padded, group=self.group)
+        grad = out[:self.hi - self.lo] / self.n
+        if self.max_norm is not None:
+            sq = grad.double().square().sum()
+            dist.all_reduce(sq, group=self.group)
+            coef = self.max_norm / (sq.sqrt().item() + 1e-6)
+            if coef < 1:
+                grad = grad * coef
+        self.mine.grad = grad
+        self.opt.step()
+        self.mine.grad = None
+        piece = torch.zeros(self.c, dtype=flat.dtype)
+        piece[:self.hi - self.lo] = self.mine
+        full = torch.empty(self.n * self.c, dtype=flat.dtype)
+        dist.all_gather_single(full, piece, group=self.group)
+        i = 0
+        for p in self.params:
+            p.copy_(full[i:i + p.numel()].view_as(p))
+            i += p.numel()
+""",
+        "was given a zero gradient",
     ),
     Mistake(
         "ex2_zero",
@@ -279,8 +350,9 @@ class ShardedAdamW:
 
     def step(self):
         for p in self.params:
-            dist.all_reduce(p.grad, group=self.group)
-            p.grad /= dist.get_world_size(self.group)
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad /= dist.get_world_size(self.group)
         if self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         self.opt.step()
@@ -292,15 +364,13 @@ class ShardedAdamW:
         "local_norm",  # clips each chunk by its own norm
         _ZERO_INIT.format(size="(total + self.n - 1) // self.n")
         + _ZERO_GRADS
-        + """        mine = g[self.lo:self.hi].clone()
-        if self.max_norm is not None:
+        + """        if self.max_norm is not None:
+            mine = g[self.lo:self.hi]
             coef = self.max_norm / (mine.norm() + 1e-6)
             if coef < 1:
                 mine *= coef
-        self.mine.grad = mine
-        self.opt.step()
-        self.mine.grad = None
 """
+        + _ZERO_UPDATE
         + _ZERO_GATHER,
         "the norm of its own chunk",
     ),
@@ -311,8 +381,8 @@ class ShardedAdamW:
         + _ZERO_GRADS
         + _ZERO_CLIP_FULL
         + _ZERO_UPDATE
-        + """        pieces = [torch.zeros(len(self.mine), dtype=g.dtype) for _ in range(self.n)]
-        dist.all_gather(pieces, self.mine.detach().clone(), group=self.group)
+        + """        pieces = [torch.zeros(len(new), dtype=g.dtype) for _ in range(self.n)]
+        dist.all_gather(pieces, new, group=self.group)
         flat = torch.cat(pieces)
         i = 0
         for p in self.params:

@@ -44,7 +44,11 @@ def memory_per_rank(numels, bytes_per_number, world_size, stage):
 
 
 class ShardedAdamW:
-    """AdamW whose state is sharded over the ranks of ``group`` (exercise 2)."""
+    """AdamW whose state is sharded over the ranks of ``group`` (exercise 2).
+
+    This rank's chunk of the flat vector is kept as one piece per parameter it overlaps, so
+    that a parameter without a gradient is skipped exactly as ``torch.optim.AdamW`` skips
+    it (no update, no weight decay, its step count unchanged)."""
 
     def __init__(
         self,
@@ -65,12 +69,24 @@ class ShardedAdamW:
         self.chunk = -(-self.numel // self.world)
         self.start = min(rank * self.chunk, self.numel)
         self.end = min(self.start + self.chunk, self.numel)
+        self.pieces = []  # (parameter index, start, end within the chunk, the piece)
+        offset = 0
         with torch.no_grad():
-            flat = torch.cat([p.reshape(-1) for p in self.params])
-            self.shard = nn.Parameter(flat[self.start : self.end].clone())
-        self.inner = torch.optim.AdamW(
-            [self.shard], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+            for i, p in enumerate(self.params):
+                lo, hi = max(self.start, offset), min(self.end, offset + p.numel())
+                if lo < hi:
+                    piece = nn.Parameter(p.reshape(-1)[lo - offset : hi - offset].clone())
+                    self.pieces.append((i, lo - self.start, hi - self.start, piece))
+                offset += p.numel()
+        self.inner = None
+        if self.pieces:
+            self.inner = torch.optim.AdamW(
+                [piece for *_, piece in self.pieces],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+            )
 
     def _padded(self, flat):
         out = flat.new_zeros(self.chunk * self.world)
@@ -90,13 +106,16 @@ class ShardedAdamW:
             coef = self.max_norm / (float(total.sqrt()) + 1e-6)
             if coef < 1:
                 grad = grad * coef
-        self.shard.grad = grad
-        self.inner.step()
-        self.shard.grad = None
-        piece = self.shard.new_zeros(self.chunk)
-        piece[: self.end - self.start] = self.shard
-        full = piece.new_empty(self.chunk * self.world)
-        dist.all_gather_single(full, piece, group=self.group)
+        for i, lo, hi, piece in self.pieces:  # None stays None: AdamW skips the piece
+            piece.grad = None if self.params[i].grad is None else grad[lo:hi].clone()
+        if self.inner is not None:
+            self.inner.step()
+        chunk = flat.new_zeros(self.chunk)
+        for _, lo, hi, piece in self.pieces:
+            piece.grad = None
+            chunk[lo:hi] = piece
+        full = chunk.new_empty(self.chunk * self.world)
+        dist.all_gather_single(full, chunk, group=self.group)
         offset = 0
         for p in self.params:
             p.copy_(full[offset : offset + p.numel()].view_as(p))

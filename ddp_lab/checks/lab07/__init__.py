@@ -1,11 +1,13 @@
-"""Checks of lab 7 (beyond data parallelism): four exercises, 17 points.
+"""Checks of lab 7 (beyond data parallelism): four exercises, 16 points (and two written
+answers, 4 points, graded by hand).
 
-1. ``memory_per_rank(numels, bytes_per_number, world_size, stage)`` (3): bytes of
+1. ``memory_per_rank(numels, bytes_per_number, world_size, stage)`` (2): bytes of
    parameters, gradients and AdamW moments on every rank under DDP and ZeRO stages 1-3;
    judged against real tensors measured (a real AdamW, real chunks of the flat vector);
 2. ``ShardedAdamW`` (5, file ``zero.py``, every rank): AdamW with its state sharded over the
-   ranks, clipping by the global norm; judged against ``torch.optim.AdamW`` itself after
-   every step, and by the bytes the object holds per rank;
+   ranks, clipping by the global norm, parameters without a gradient skipped; judged
+   against ``torch.optim.AdamW`` itself after every step, and by the bytes the object holds
+   per rank;
 3. ``gpipe_step`` (4, file ``pipeline.py``, every rank): a GPipe step over stages on
    ranks, with micro-batches and send/recv; judged against the unsplit model's autograd;
 4. ``ColumnParallelLinear`` / ``RowParallelLinear`` (5, file ``tp.py``, every rank):
@@ -57,7 +59,8 @@ def memory(fn: Callable) -> None:
 
 def zero(path: str = ZERO_FILE) -> None:
     """Visible check of exercise 2: the file on 3 ranks (torchrun), 10 steps over all 3
-    (uneven chunks) and 10 over a group of 2 (clipped), against ``torch.optim.AdamW``."""
+    (uneven chunks, a frozen parameter, one without a gradient at two steps) and 10 over a
+    group of 2 (clipped), against ``torch.optim.AdamW``."""
     runner.visible(LAB, "test_ex2_zero", folder=Path(path).parent)
 
 

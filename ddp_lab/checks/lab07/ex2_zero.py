@@ -15,13 +15,21 @@ rank (its part of the parameters and their two moments), measured by walking eve
 reachable from the object (:func:`ddp_lab.parallel.memory.held_bytes`), not the model's own
 parameters and gradients.
 
+A parameter whose ``.grad`` is None (frozen: ``requires_grad=False``; or unused in a step's
+forward pass) must be skipped as ``torch.optim.AdamW`` skips it: its values do not move (no
+weight decay either) and its AdamW state, step count included, does not advance. Such a
+parameter's ``.grad`` is None on every rank alike.
+
 Case set, in one torchrun job of 3 ranks (each job costs seconds): three runs over all 3
-ranks (float32 with ``N`` not divisible by 3 and a one-number parameter; a tiny float64
-parameter of 2 numbers, so one rank owns nothing; float32 with clipping), then two over a
-group of ranks 0 and 1 (float64 with odd ``N`` and clipping; float32 without), 10 steps
-each. The clipping threshold is the median of the steps' gradient norms (some steps clip,
-some do not); ``eps`` is of the order of the gradients, so that AdamW is not blind to the
-gradients' scale.
+ranks (float32 with ``N`` not divisible by 3, a one-number parameter, a frozen parameter and
+one whose gradient is None at the first step and at a later one; a tiny float64 parameter
+of 2 numbers, so one rank owns nothing; float32 with clipping and a frozen parameter), then
+two over a group of ranks 0 and 1 (float64 with odd ``N``, clipping, a frozen parameter and
+one whose gradient is None at two steps; float32 without), 10 steps each. The clipping
+threshold is the median of the steps' gradient norms (some steps clip, some do not); ``eps``
+is of the order of the gradients, so that AdamW is not blind to the gradients' scale; the
+weight decay of a run with a frozen parameter is at least 0.03, so that a zero gradient
+moves it.
 """
 
 from __future__ import annotations
@@ -63,7 +71,27 @@ def _shapes(gen: torch.Generator, ranks: int, want_divisible: bool) -> list[list
             return shapes
 
 
-def _run(gen, ranks: int, dtype: str, shapes, clip: bool) -> dict:
+def _with_frozen(gen: torch.Generator, shapes: list[list[int]], skip_first: bool) -> dict:
+    """A frozen parameter of 2 to 5 numbers inserted at a random place of ``shapes``, and
+    another parameter whose gradient is None at two steps (the first one when
+    ``skip_first``)."""
+    at = randint(gen, 0, len(shapes))
+    shapes = [*shapes[:at], [randint(gen, 2, 5)], *shapes[at:]]
+    other = [i for i in range(len(shapes)) if i != at]
+    gone = other[randint(gen, 0, len(other) - 1)]
+    later = randint(gen, STEPS // 2, STEPS - 1)
+    steps = [0, later] if skip_first else [randint(gen, 1, STEPS // 2 - 1), later]
+    return {"shapes": shapes, "frozen": [at], "skips": {str(gone): steps}}
+
+
+def has_grad(spec: dict, i: int, step: int) -> bool:
+    """Whether parameter ``i`` has a gradient at ``step`` (not frozen, not skipped there)."""
+    return i not in spec["frozen"] and step not in spec["skips"].get(str(i), [])
+
+
+def _run(gen, ranks: int, dtype: str, shapes, clip: bool, none: dict | None = None) -> dict:
+    none = none or {"frozen": [], "skips": {}}
+    shapes = none.get("shapes", shapes)
     dt = DTYPES[dtype]
     scale = log_uniform(gen, 1e-3, 1e-1)
     init = [randn(gen, *s, dtype=dt) for s in shapes]
@@ -79,13 +107,20 @@ def _run(gen, ranks: int, dtype: str, shapes, clip: bool) -> dict:
     if clip:  # half of the steps clip
         norms = [
             float(
-                torch.cat([torch.stack(g).mean(0).reshape(-1) for g in zip(*step, strict=True)])
+                torch.cat(
+                    [
+                        torch.stack(g).mean(0).reshape(-1)
+                        for i, g in enumerate(zip(*step, strict=True))
+                        if has_grad(none, i, s)
+                    ]
+                )
                 .double()
                 .norm()
             )
-            for step in grads
+            for s, step in enumerate(grads)
         ]
         max_norm = statistics.median(norms)
+    decay = uniform(gen, 0.0, 0.1) if not none["frozen"] else uniform(gen, 0.03, 0.1)
     return {
         "ranks": ranks,
         "dtype": dtype,
@@ -95,28 +130,41 @@ def _run(gen, ranks: int, dtype: str, shapes, clip: bool) -> dict:
         "lr": log_uniform(gen, 1e-3, 3e-2),
         "betas": [uniform(gen, 0.8, 0.95), uniform(gen, 0.95, 0.999)],
         "eps": scale * uniform(gen, 0.3, 3.0),
-        "weight_decay": uniform(gen, 0.0, 0.1),
+        "weight_decay": decay,
         "max_norm": max_norm,
+        "frozen": none["frozen"],
+        "skips": none["skips"],
     }
 
 
 def make_inputs(gen: torch.Generator) -> dict:
     """One job of 3 ranks: three runs over all of them, then two over ranks 0 and 1."""
     runs = [
-        _run(gen, 3, "float32", _shapes(gen, 3, False), clip=False),
+        _run(gen, 3, "float32", None, False, _frozen_shapes(gen, 3, False, skip_first=True)),
         _run(gen, 3, "float64", [[2]], clip=True),
-        _run(gen, 3, "float32", _shapes(gen, 3, True), clip=True),
-        _run(gen, 2, "float64", _shapes(gen, 2, False), clip=True),
+        _run(gen, 3, "float32", None, True, _frozen_shapes(gen, 3, True, skips=False)),
+        _run(gen, 2, "float64", None, True, _frozen_shapes(gen, 2, False, skip_first=False)),
         _run(gen, 2, "float32", _shapes(gen, 2, True), clip=False),
     ]
     return {"cases": [{"world_size": 3, "runs": runs}]}
+
+
+def _frozen_shapes(
+    gen: torch.Generator, ranks: int, divisible: bool, skip_first: bool = False, skips=True
+) -> dict:
+    """An MLP's shapes with a frozen parameter (and one skipped at two steps), ``N``
+    divisible by ``ranks`` or not."""
+    while True:
+        none = _with_frozen(gen, _shapes(gen, ranks, divisible), skip_first)
+        if (sum(math.prod(s) for s in none["shapes"]) % ranks == 0) == divisible:
+            return none if skips else {**none, "skips": {}}
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
     """One job of 3 ranks: an uneven float32 run over all 3, a clipped float64 run over the
     group of ranks 0 and 1."""
     runs = [
-        _run(gen, 3, "float32", _shapes(gen, 3, False), clip=False),
+        _run(gen, 3, "float32", None, False, _frozen_shapes(gen, 3, False, skip_first=True)),
         _run(gen, 2, "float64", _shapes(gen, 2, False), clip=True),
     ]
     return {"cases": [{"world_size": 3, "runs": runs}]}
@@ -128,7 +176,10 @@ def flat(params) -> torch.Tensor:
 
 
 def _one_run(cls, spec: dict, rank: int, group) -> dict:
-    params = [nn.Parameter(t.clone()) for t in spec["init"]]
+    params = [
+        nn.Parameter(t.clone(), requires_grad=i not in spec["frozen"])
+        for i, t in enumerate(spec["init"])
+    ]
     n = spec["ranks"]
 
     def hung() -> str:
@@ -150,9 +201,9 @@ def _one_run(cls, spec: dict, rank: int, group) -> dict:
             group=group,
         )
     after = []
-    for step in spec["grads"]:
-        for p, g in zip(params, step[rank], strict=True):
-            p.grad = g.clone()
+    for s, step in enumerate(spec["grads"]):
+        for i, (p, g) in enumerate(zip(params, step[rank], strict=True)):
+            p.grad = g.clone() if has_grad(spec, i, s) else None
         with guards.call_watchdog(WATCHDOG_S, hung):
             opt.step()
         after.append(flat(params))
@@ -175,11 +226,23 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
     return out
 
 
+def mean_grads(spec: dict, s: int) -> list[torch.Tensor | None]:
+    """Step ``s``'s gradients averaged over the ranks, None where a parameter has none."""
+    return [
+        torch.stack(g).mean(0) if has_grad(spec, i, s) else None
+        for i, g in enumerate(zip(*spec["grads"][s], strict=True))
+    ]
+
+
 def oracle(spec: dict, grads_of=None) -> list[torch.Tensor]:
-    """``torch.optim.AdamW`` on one process: the flat parameters after every step.
+    """``torch.optim.AdamW`` on one process: the flat parameters after every step (it
+    skips a parameter whose ``.grad`` is None, as it always does).
 
     ``grads_of(step)`` replaces the averaged gradients (the hidden diagnoses use it)."""
-    params = [nn.Parameter(t.clone()) for t in spec["init"]]
+    params = [
+        nn.Parameter(t.clone(), requires_grad=i not in spec["frozen"])
+        for i, t in enumerate(spec["init"])
+    ]
     opt = torch.optim.AdamW(
         params,
         lr=spec["lr"],
@@ -188,9 +251,8 @@ def oracle(spec: dict, grads_of=None) -> list[torch.Tensor]:
         weight_decay=spec["weight_decay"],
     )
     out = []
-    for s, step in enumerate(spec["grads"]):
-        mean = [torch.stack(g).mean(0) for g in zip(*step, strict=True)]
-        for p, g in zip(params, grads_of(s) if grads_of else mean, strict=True):
+    for s in range(len(spec["grads"])):
+        for p, g in zip(params, grads_of(s) if grads_of else mean_grads(spec, s), strict=True):
             p.grad = g
         if spec["max_norm"] is not None:
             torch.nn.utils.clip_grad_norm_(params, spec["max_norm"])
@@ -203,9 +265,15 @@ def run_text(spec: dict) -> str:
     """``"3 ranks, N = 1,234 float32 numbers in 5 tensors, clipped at 0.12"``."""
     n = sum(math.prod(s) for s in spec["shapes"])
     clip = f", clipped at max_norm {spec['max_norm']:.3g}" if spec["max_norm"] else ""
+    none = ""
+    if spec["frozen"]:
+        none += f", tensor {spec['frozen'][0]} frozen (requires_grad=False, .grad None)"
+    for i, steps in spec["skips"].items():
+        at = " and ".join(str(s + 1) for s in steps)
+        none += f", tensor {i} without a gradient (.grad None) at steps {at}"
     return (
         f"{spec['ranks']} ranks, N = {n:,} {spec['dtype']} numbers in {len(spec['shapes'])} "
-        f"tensors{clip}"
+        f"tensors{clip}{none}"
     )
 
 
