@@ -43,6 +43,7 @@ _FIRST = (
     "test_grading.py::test_autograde_scores_the_sample_class",
     "test_mistakes.py::test_mistakes_fail_their_own_exercises_in_the_grader",
     "test_student_kit.py::test_a_kit_from_a_fresh_clone",
+    "test_student_kit.py::test_a_student_sees_one_readable_message",  # shares its install
     "test_grading_array.py::test_job_array",
 )
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -122,8 +123,15 @@ def test_the_leak_check_finds_a_planted_answer_under_new_names(built, tmp_path):
 @pytest.fixture(scope="module")
 def fresh_kit(tmp_path_factory) -> Path:
     """The kit built from a fresh clone of this repository and installed with its own
-    ``make install`` (shared by the tests below: one install, a few minutes)."""
-    tmp = tmp_path_factory.mktemp("fresh")
+    ``make install``, once per test run and worker (a few minutes): the tests below share
+    it. A marker file says the install finished, so a second set-up of this fixture (xdist
+    may end a module's fixtures between its tests when others run in between) reuses it."""
+    tmp = tmp_path_factory.getbasetemp() / "fresh-kit"
+    student = tmp / kit.KIT_NAME
+    if (tmp / "installed").is_file():
+        return student
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     clone = tmp / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     made = run_tree(
@@ -131,11 +139,11 @@ def fresh_kit(tmp_path_factory) -> Path:
         timeout=120,
     )
     assert made.returncode == 0, made.stdout + made.stderr
-    student = tmp / kit.KIT_NAME
     base = Path(sys.base_prefix) / "bin" / "python3"
     install = run_tree(["make", "-C", str(student), "install", f"PYTHON={base}"], timeout=1200)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     assert "BuildBackendWarning" not in install.stderr, "the first install is not clean"
+    (tmp / "installed").write_text("make install finished\n")
     return student
 
 
