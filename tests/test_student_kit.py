@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -123,13 +125,22 @@ def test_the_leak_check_finds_a_planted_answer_under_new_names(built, tmp_path):
 @pytest.fixture(scope="module")
 def fresh_kit(tmp_path_factory) -> Path:
     """The kit built from a fresh clone of this repository and installed with its own
-    ``make install``, once per test run and worker (a few minutes): the tests below share
-    it. A marker file says the install finished, so a second set-up of this fixture (xdist
-    may end a module's fixtures between its tests when others run in between) reuses it."""
-    tmp = tmp_path_factory.getbasetemp() / "fresh-kit"
+    ``make install``, once per test run (a few minutes): the tests below share it, also
+    when xdist runs them on two workers at once (the second waits on a lock for the first
+    one's install, then finds its marker file)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    tmp = root / "fresh-kit"
     student = tmp / kit.KIT_NAME
-    if (tmp / "installed").is_file():
-        return student
+    with open(root / "fresh-kit.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (tmp / "installed").is_file():
+            _install_fresh_kit(tmp)
+    return student
+
+
+def _install_fresh_kit(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     clone = tmp / "clone"
@@ -139,12 +150,12 @@ def fresh_kit(tmp_path_factory) -> Path:
         timeout=120,
     )
     assert made.returncode == 0, made.stdout + made.stderr
+    student = tmp / kit.KIT_NAME
     base = Path(sys.base_prefix) / "bin" / "python3"
     install = run_tree(["make", "-C", str(student), "install", f"PYTHON={base}"], timeout=1200)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     assert "BuildBackendWarning" not in install.stderr, "the first install is not clean"
     (tmp / "installed").write_text("make install finished\n")
-    return student
 
 
 @pytest.mark.slow
