@@ -11,12 +11,10 @@ sweep (1, 2, 4, ... processes up to every GPU; 1 and 2 on a CPU) and writes, und
                          accuracy per run
     scaling.png          the plot the lab03 notebook shows: throughput, efficiency, accuracy
 
-N processes with a batch of b each train with a global batch of N b, so an epoch takes N
-times fewer optimizer steps. With the same learning rate the N-process run then learns less
-per epoch, and its accuracy says nothing about DDP. The sweep follows the linear scaling
-rule with warm-up (Goyal et al., 2017, "Accurate, Large Minibatch SGD"): N processes use N
-times the 1-process rate, reached by a linear warm-up over the first tenth of the run
-(``--lr-scaling none`` keeps one rate for every run).
+N processes train with a global batch N times larger, so an epoch takes N times fewer steps;
+at one learning rate the N-process run learns less per epoch. The sweep follows the linear
+scaling rule with warm-up (Goyal et al., 2017): N processes use N times the trainer's rate,
+reached over the first tenth of the run (``--lr-scaling none``: one rate for every run).
 
 Inside a SLURM allocation of 2 or more nodes (``sbatch cluster/lab3.sbatch``, or ``make
 lab3`` inside ``salloc``) it runs one training across the allocation instead: ``srun``
@@ -61,6 +59,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ddp_lab import options as train_options
 from ddp_lab.data import choose_dataset, cifar10_present
 from ddp_lab.errors import UsageError, exit_on_usage_error
 from ddp_lab.labrun import lab_parser, plan_hardware, read_summary, train
@@ -108,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=600,
         help="allocation run: seconds the agents wait for each other (c10d join_timeout)",
     )
-    p.add_argument("--lr", type=float, default=0.05, help="the 1-process learning rate")
+    lr = train_options.build_parser().get_default("lr")
+    p.add_argument(
+        "--lr", type=float, default=lr, help="1-process rate (the trainer's: %(default)g)"
+    )
     p.add_argument(
         "--lr-scaling",
         choices=["linear", "none"],

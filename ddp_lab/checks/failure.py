@@ -34,8 +34,8 @@ class CheckFailed(AssertionError):
         return lines
 
 
-def render(message: str, name: str = "CheckFailed") -> list[str]:
-    """The lines of a failed check as a notebook shows them: ``name: message``, wrapped.
+def render(message: str) -> list[str]:
+    """The lines of a failed check as a notebook shows them: ``CheckFailed: message``, wrapped.
 
     Example:
         >>> render("expected 3 samples in shard 0, got 2")
@@ -45,7 +45,7 @@ def render(message: str, name: str = "CheckFailed") -> list[str]:
     """
     lines: list[str] = []
     for i, paragraph in enumerate(message.strip().splitlines() or [""]):
-        first = f"{name}: " if i == 0 else ""
+        first = "CheckFailed: " if i == 0 else ""
         lines += textwrap.wrap(
             first + paragraph, WIDTH, subsequent_indent="  ", break_on_hyphens=False
         ) or [""]

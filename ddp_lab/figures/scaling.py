@@ -60,10 +60,9 @@ def plot_scaling(
         ax2.text(i, e, f"{e:.0%}", ha="center", va="bottom")
     if accuracy is not None:
         ax3 = axes[2]
-        labels = [
-            f"{n}\nlr {lr:g}" if lrs is not None else str(n)
-            for n, lr in zip(processes, lrs or processes, strict=True)
-        ]
+        labels = [str(n) for n in processes]
+        if lrs is not None:
+            labels = [f"{n}\nlr {lr:g}" for n, lr in zip(processes, lrs, strict=True)]
         ax3.bar(labels, accuracy, color="tab:green")
         ax3.set_xlabel("processes")
         ax3.set_ylabel("test accuracy")
