@@ -23,8 +23,9 @@ share only (its own rows' contribution), as with ``nn.SyncBatchNorm``:
 gradient of that size in backward: traffic and memory grow with the activations, where an
 implementation that exchanges per-channel statistics sends ``2C + 1`` numbers per rank
 forward and all-reduces ``2C`` backward (``nn.SyncBatchNorm`` on GPUs all-gathers every
-rank's mean, inverse std and count, then all-reduces two gradient sums; lab 4 builds that
-one as an autograd Function). Here simplicity wins: this module only backs the trainer's
+rank's mean, inverse std and count, then all-reduces two gradient sums; lab 4 has students
+derive the statistics from all-reduces of a size independent of the world size, and the
+layer as an autograd Function). Here simplicity wins: this module only backs the trainer's
 ``--sync-bn`` on the CPU, with small models and a few processes.
 :func:`convert_sync_batchnorm_auto` picks ``nn.SyncBatchNorm`` wherever it runs.
 """

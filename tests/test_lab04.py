@@ -31,6 +31,7 @@ from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab04 import ex1_sync_mean_var as ex1
 from ddp_lab.checks.lab04 import ex2_sync_input_grad as ex2
 from ddp_lab.checks.lab04 import ex3_sync_bn_function as ex3
+from ddp_lab.checks.lab04 import traffic
 from ddp_lab.checks.lab04.common import EPS, var_mean
 from ddp_lab.checks.runner import split_magics
 from ddp_lab.grading.verdict import judge_notebook
@@ -128,7 +129,9 @@ def _stats(run: dict, rank: int, mistake: str | None = None) -> list:
     stats = [ref.local_stats(x) for x in xs]
     counts = [n for n, _, _ in stats]
     means, variances = torch.stack([m for _, m, _ in stats]), torch.stack([v for _, _, v in stats])
-    mean, var, total = ref.pool(counts, means, variances)
+    mean, var, total = ref.two_pass(xs)
+    if mistake == "all_gather":  # lab 1's pooling of the ranks' (count, mean, variance)
+        mean, var, total = ref.pool(counts, means, variances)
     if mistake == "averaged":  # every rank's mean and variance, NaN for an empty one
         nan = [x.mean(_dims(x)) if len(x) else torch.full_like(mean, float("nan")) for x in xs]
         ranks = len(xs)
@@ -158,6 +161,30 @@ def _stats(run: dict, rank: int, mistake: str | None = None) -> list:
     return [mean.clone(), var.clone(), total.clone()]
 
 
+def _calls(run: dict, mistake: str | None = None) -> list:
+    """One rank's recorded collectives, ``[name, values, bytes]``, as the solution (two
+    all-reduces, ``C + 1`` and ``C`` values) or a mistake moves them."""
+    c, n = run["channels"], run["ranks"]
+    size = 8 if run["dtype"] == "float64" else 4
+    if mistake == "all_gather":  # every rank's (n_k, m_k, v_k), n times over
+        return [["all_gather", n * (2 * c + 1), n * (2 * c + 1) * size]]
+    if mistake == "slot per rank":  # a zero tensor with a slot per rank, all-reduced
+        return [["all_reduce", n * (2 * c + 1), n * (2 * c + 1) * size]]
+    if mistake == "a call per rank":  # rank k's numbers in the k-th all-reduce
+        return [["all_reduce", 2 * c + 1, (2 * c + 1) * size]] * n
+    if mistake == "too many calls":
+        return [["all_reduce", 1, size]] + [["all_reduce", c, c * size]] * 3
+    return [["all_reduce", c + 1, (c + 1) * size], ["all_reduce", c, c * size]]
+
+
+#: mistakes with the right numbers and the wrong traffic -> what the verdict must say
+TRAFFIC_MISTAKES = {
+    "all_gather": "A gather brings every rank's tensor to every rank",
+    "slot per rank": "an all-gather in disguise",
+    "a call per rank": "the traffic grows with the world size",
+    "too many calls": "all-reduces in one call of sync_mean_var",
+}
+
 #: mistake -> what the grader's verdict must say
 STATS_MISTAKES = {
     "averaged": "averaged the ranks' means",
@@ -168,6 +195,7 @@ STATS_MISTAKES = {
     "local count": "this rank's count",
     "no collective": "its own slice",
     "batch dim only": "every dimension but the channel dimension 1",
+    **TRAFFIC_MISTAKES,
 }
 
 
@@ -246,7 +274,10 @@ FUNCTION_MISTAKES = {
 
 def _outputs(grade_id: str, inputs: dict, mistake: str | None = None) -> dict:
     if grade_id == GIDS[0]:
-        return _per_rank(inputs, lambda run, r: _stats(run, r, mistake))
+        return _per_rank(
+            inputs,
+            lambda run, r: {"stats": _stats(run, r, mistake), "calls": _calls(run, mistake)},
+        )
     if grade_id == GIDS[1]:
         return _per_rank(inputs, lambda run, r: _grad(run, r, mistake))
     simulated = {}
@@ -320,7 +351,7 @@ def test_stats_tolerance_follows_dtype_and_magnitude():
     bad = _stats(run, 0, "float64 sums")[1].double()
     assert (good - var).abs().max() < tol_var / 4 < tol_var * 100 < (bad - var).abs().max()
     wrong = _outputs(GIDS[0], inputs)
-    wrong["cases"][0][1][0][2] = torch.tensor(1.0)
+    wrong["cases"][0][1][0]["stats"][2] = torch.tensor(1.0)
     with pytest.raises(CheckFailed, match="global count should be"):
         _judge(GIDS[0])(inputs, wrong)
 
@@ -396,7 +427,8 @@ def test_reference_files_in_a_world_of_one_process():
         x = 1e4 + torch.randn(5, 3, 4, 4, dtype=torch.float32)
         mean, var, count = ref.sync_mean_var(x)
         exp_var, exp_mean = var_mean(x)
-        assert float(count) == 80 and torch.allclose(mean.double(), exp_mean, rtol=1e-7)
+        ulps = 16 * torch.finfo(torch.float32).eps * float(x.abs().max())  # the judge's
+        assert float(count) == 80 and torch.allclose(mean.double(), exp_mean, atol=ulps)
         assert torch.allclose(var.double(), exp_var, atol=1e-2)
         empty = ref.sync_mean_var(torch.zeros(0, 3))
         assert float(empty[2]) == 0 and torch.isnan(empty[0]).all()  # 0/0: nobody holds data
@@ -415,6 +447,42 @@ def test_reference_files_in_a_world_of_one_process():
         assert x.numel()
     finally:
         dist.destroy_process_group()
+
+
+def test_traffic_is_recorded_once_per_call_and_the_collectives_restored():
+    """In a one-process gloo group: every collective the student's code calls is recorded
+    with the values it leaves on the rank, also under a name imported inside the block; a
+    collective that calls another counts once; afterwards torch's own functions are back."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    before = (dist.all_reduce, c10d.all_reduce, dist.all_gather, c10d.all_gather_object)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        log: list = []
+        with traffic.recorded(log):
+            from torch.distributed import all_gather
+
+            dist.all_reduce(torch.zeros(3, dtype=torch.float64))
+            all_gather([torch.zeros(2)], torch.ones(2))
+            dist.all_gather_object([None], {"a": 1})
+            c10d.all_reduce(tensor=torch.zeros(4))
+        assert log == [
+            ["all_reduce", 3, 24],
+            ["all_gather", 2, 8],
+            ["all_gather_object", 0, 0],
+            ["all_reduce", 4, 16],
+        ]
+        after = (dist.all_reduce, c10d.all_reduce, dist.all_gather, c10d.all_gather_object)
+        assert after == before
+    finally:
+        dist.destroy_process_group()
+    where = "sync_mean_var on rank 0"
+    assert traffic.problem(where, 3, 2, [["all_reduce", 4, 16], ["all_reduce", 3, 12]]) is None
+    assert "A gather" in traffic.problem(where, 3, 2, [["all_gather_into_tensor", 14, 56]])
+    assert "allows dist.all_reduce only" in traffic.problem(where, 3, 2, [["broadcast", 3, 12]])
 
 
 @pytest.mark.timeout(180)
@@ -472,6 +540,9 @@ def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsy
     )
     _write(tmp_path, _mistake("ex1_sync_mean_var"))  # averages the ranks' means
     with pytest.raises(CheckFailed, match=r"2 ranks holding .*the global mean: off by"):
+        checks.sync_mean_var(str(tmp_path / "sync_stats.py"))
+    _write(tmp_path, _mistake("ex1_sync_mean_var", "all_gather"))  # right numbers, gathered
+    with pytest.raises(CheckFailed, match=r"computed with dist.all_gather \(14 values"):
         checks.sync_mean_var(str(tmp_path / "sync_stats.py"))
     _write(tmp_path, _mistake("ex2_sync_input_grad"))
     with pytest.raises(CheckFailed, match="each rank needs sums over the GLOBAL batch"):

@@ -162,10 +162,10 @@ def syncbn_flow(sizes: Sequence[int] = (3, 5, 0)) -> Figure:
         sizes: the ranks' batch sizes (they may differ, and be 0).
 
     Returns:
-        The figure: one row per rank; forward: this rank's per-channel statistics ->
-        all-gather -> the same global mean and variance on every rank (exercise 1) ->
-        normalise its own slice; backward: two per-channel sums -> all-reduce -> its own
-        ``dx`` (exercise 2).
+        The figure: one row per rank; forward as ``nn.SyncBatchNorm`` does it: this rank's
+        per-channel statistics -> all-gather -> the same global mean and variance on every
+        rank (exercise 1 gets them from all-reduces instead) -> normalise its own slice;
+        backward: two per-channel sums -> all-reduce -> its own ``dx`` (exercise 2).
 
     Example:
         >>> fig = syncbn_flow((2, 3))
@@ -196,7 +196,7 @@ def syncbn_flow(sizes: Sequence[int] = (3, 5, 0)) -> Figure:
         _arrow(ax, (1.32, y), (1.58, y))
         _arrow(ax, (3.52, y), (4.1, mid))
         _arrow(ax, (5.0, mid), (5.38, y))
-        _box(ax, 5.4, y - 0.28, 1.8, 0.56, "combine the table\n(exercise 1)", GREY, alpha=0.2)
+        _box(ax, 5.4, y - 0.28, 1.8, 0.56, "combine the table\n(nn.SyncBatchNorm)", GREY, alpha=0.2)
         _arrow(ax, (7.22, y), (7.48, y))
         _box(
             ax,

@@ -9,8 +9,11 @@ run of the case set, not only the first one that failed:
 
 - exercise 1: the ranks' means and variances averaged; the variance within the ranks only
   (the spread between their means forgotten); the unbiased variance; a sum of squares that
-  loses the variance far from 0 (right near 0, wrong far from it); this rank's count; no
-  collective at all;
+  loses the variance far from 0 (right near 0, wrong far from it: one all-reduce of
+  ``[count, sum, sum of squares]`` is one); this rank's count; no collective at all. Right
+  numbers with the wrong traffic (an all-gather, a slot per rank, calls that grow with the
+  ranks) are said by the kit's judge, which records every collective: it needs no
+  reference;
 - exercise 2: this rank's sums where the global ones belong; this rank's count; the
   variance's path (the ``x_hat`` term) or the weight left out;
 - exercise 3: ``running_var`` tracked with the biased variance; running statistics rebound
@@ -71,7 +74,7 @@ _STATS_SAY = {
 
 
 def _explain_stats(inputs: dict, outputs: dict) -> str | None:
-    runs = list(runs_of(inputs, outputs))
+    runs = list(ex1.stats_runs(inputs, outputs))
     if not all(_well_formed(run, got) for run, got in runs):
         return None  # the kit's judge says what is malformed
     for name, say in _STATS_SAY.items():
@@ -88,8 +91,8 @@ def _explain_stats(inputs: dict, outputs: dict) -> str | None:
         if _own_statistics(run, got):
             return (
                 f"sync_mean_var on {run['ranks']} ranks: every rank returned the statistics "
-                "of its own slice; the global batch's need the other ranks' numbers: a "
-                "collective (all_gather or all_reduce) that every rank calls"
+                "of its own slice; the global batch's need the other ranks' numbers: "
+                "all-reduces of per-channel sums that every rank calls"
             )
     for run, got in runs:
         count = global_count(run["xs"])
@@ -165,8 +168,8 @@ def _explain_far(runs: list) -> str | None:
                 if run["dtype"] == "float64"
                 else ""
             )
-            + "; compute each rank's variance from deviations and combine the ranks' (count, "
-            "mean, variance)"
+            + "; sum squared deviations from a mean instead (the global one, which a first "
+            "all-reduce gives every rank), never squares of the raw values"
         )
     return None
 

@@ -146,6 +146,49 @@ MISTAKES = [
     ),
     Mistake(
         "ex1_sync_mean_var",
+        "all_gather",  # right numbers (lab 1's pooling of a table), traffic that grows with n
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    dims = [0, *range(2, x.dim())]
+    c = x.size(1)
+    n = x.numel() // c
+    if n > 0:
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+    else:
+        var = mean = torch.zeros(c, dtype=x.dtype)
+    mine = torch.cat([x.new_tensor([n]), mean, var])
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    table = torch.stack(gathered)
+    counts, means, variances = table[:, :1], table[:, 1 : 1 + c], table[:, 1 + c :]
+    total = counts.sum()
+    w = counts / total
+    mean = (w * means).sum(0)
+    return mean, (w * (variances + (means - mean) ** 2)).sum(0), total
+""",
+        "grows with the world size",
+    ),
+    Mistake(
+        "ex1_sync_mean_var",
+        "one_pass",  # ONE all-reduce of [count, sum, sum of squares], even in float64: unsafe
+        _STATS_HEAD
+        + """def sync_mean_var(x):
+    dims = [0, *range(2, x.dim())]
+    c = x.size(1)
+    x64 = x.double()
+    packed = torch.cat(
+        [x64.new_tensor([x.numel() // c]), x64.sum(dims), (x64 * x64).sum(dims)]
+    )
+    dist.all_reduce(packed)
+    count = packed[0]
+    mean = packed[1 : 1 + c] / count
+    var = packed[1 + c :] / count - mean * mean
+    return mean.to(x.dtype), var.to(x.dtype), count
+""",
+        "two large numbers",
+    ),
+    Mistake(
+        "ex1_sync_mean_var",
         "uses_runtime",  # the course's runtime module instead of one's own code: refused
         """%%writefile sync_stats.py
 from ddp_lab.syncbn import SyncBatchNorm
@@ -324,15 +367,13 @@ HANGS = {
     if n == 0:  # "nothing to contribute": but the others wait for this rank
         nan = torch.full((x.size(1),), float("nan"), dtype=x.dtype)
         return nan, nan, 0
-    var, mean = torch.var_mean(x, dim=dims, correction=0)
-    mine = torch.cat([x.new_tensor([n]), mean, var])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    t = torch.stack(everyone)
-    c = x.size(1)
-    w = t[:, :1] / t[:, :1].sum()
-    m = (w * t[:, 1 : 1 + c]).sum(0)
-    return m, (w * (t[:, 1 + c :] + (t[:, 1 : 1 + c] - m) ** 2)).sum(0), t[:, 0].sum()
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    s = torch.cat([x.new_tensor([n]), x.sum(dims)])
+    dist.all_reduce(s)
+    m = s[1:] / s[0]
+    q = ((x - m.view(shape)) ** 2).sum(dims)
+    dist.all_reduce(q)
+    return m, q / s[0], s[0]
 """,
 }
 HANG_LOSES = ["test_ex1_sync_mean_var"]

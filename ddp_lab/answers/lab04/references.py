@@ -5,11 +5,15 @@ writes :data:`STATS_SOURCE` and :data:`GRAD_SOURCE` as ``sync_stats.py`` and
 ``sync_grad.py`` next to a student's ``sync_bn.py``, see ``hidden.py``), and the pieces the
 tests use to simulate every rank in one process:
 
-- :func:`sync_mean_var` (exercise 1): every rank's ``(count, mean, biased variance)`` of its
-  own slice, computed from deviations, gathered with one ``all_gather``, and pooled:
+- :func:`sync_mean_var` (exercise 1): two all-reduces whose size does not depend on the
+  world size: ``[n_k, sum_k(x)]`` (``C + 1`` values) gives every rank the global count and
+  mean; then each rank's sum of squared deviations from that GLOBAL mean (``C`` values) gives
+  the variance, numerically safe far from 0 (deviations, not ``E[x^2] - mean^2``); an empty
+  slice contributes zeros and divides by nothing of its own. :func:`two_pass` is the same
+  computation for every rank in one process (the tests' simulation); :func:`pool` is lab 1's
+  combination of the ranks' ``(count, mean, variance)``, what an all-gather answer does,
   ``mean = sum_k w_k m_k`` and ``var = sum_k w_k (v_k + (m_k - mean)^2)`` with
-  ``w_k = n_k / n`` (the variance within the ranks plus the variance between their means);
-  :func:`pool` is that combination without the collective;
+  ``w_k = n_k / n``;
 - :func:`sync_input_grad` (exercise 2): ``dx = weight * invstd * (dy - sum(dy) / n
   - x_hat * sum(dy * x_hat) / n)`` with both sums all-reduced (one collective);
   :func:`input_grad` is that formula for given sums;
@@ -68,22 +72,27 @@ def pool(counts, means: torch.Tensor, variances: torch.Tensor) -> tuple[torch.Te
 def sync_mean_var(x):
     """The per-channel mean, biased variance and count of the GLOBAL batch, on every rank."""
     dims = [0, *range(2, x.dim())]
-    c = x.size(1)
-    n = x.numel() // c
-    if n > 0:
-        var, mean = torch.var_mean(x, dim=dims, correction=0)  # deviations, not x**2
-    else:  # no sample here: statistics that weigh nothing
-        var = mean = torch.zeros(c, dtype=x.dtype)
-    mine = torch.cat([x.new_tensor([n]), mean, var])
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)  # every rank's (n_k, mean_k, var_k): one collective
-    table = torch.stack(gathered)
-    counts, means, variances = table[:, :1], table[:, 1 : 1 + c], table[:, 1 + c :]
-    total = counts.sum()
-    w = counts / total  # each rank's share of the global batch
-    mean = (w * means).sum(0)
-    var = (w * (variances + (means - mean) ** 2)).sum(0)  # within the ranks + between them
-    return mean, var, total
+    view = (1, -1, *([1] * (x.dim() - 2)))
+    n = x.numel() // x.size(1)
+    sums = torch.cat([x.new_tensor([n]), x.sum(dims)])  # an empty slice: zeros, weighs nothing
+    dist.all_reduce(sums)  # the global count and per-channel sums: C + 1 values, any world
+    count = sums[0]
+    mean = sums[1:] / count
+    squares = ((x - mean.reshape(view)) ** 2).sum(dims)  # deviations from the GLOBAL mean
+    dist.all_reduce(squares)  # C values: the global sum of squared deviations
+    return mean, squares / count, count
+
+
+def two_pass(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sync_mean_var` for every rank's slice ``xs`` in one process (the all-reduces
+    as sums over the ranks, in rank order): the ``(mean, var, count)`` every rank gets."""
+    dims = [0, *range(2, xs[0].dim())]
+    view = (1, -1, *([1] * (xs[0].dim() - 2)))
+    sums = sum(torch.cat([x.new_tensor([x.numel() // x.size(1)]), x.sum(dims)]) for x in xs)
+    count = sums[0]
+    mean = sums[1:] / count
+    squares = sum(((x - mean.reshape(view)) ** 2).sum(dims) for x in xs)
+    return mean, squares / count, count
 
 
 def input_grad(dy, x_hat, invstd, weight, sum_dy, sum_dy_xhat, count) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Checks of lab 4 (SyncBatchNorm): three exercises, and the notebook's visible checks.
 
 1. ``sync_mean_var(x)`` (file ``sync_stats.py``, every rank): the global batch's per-channel
-   mean, biased variance and count from this rank's slice, numerically safe; judged against
-   ``torch.var_mean`` of the concatenated global batch;
+   mean, biased variance and count from this rank's slice, numerically safe, with traffic
+   that does not grow with the world size; judged against ``torch.var_mean`` of the
+   concatenated global batch, then by its collectives, recorded by the checker
+   (:mod:`~ddp_lab.checks.lab04.traffic`: all-reduces only, at most 3 of at most ``3C + 3``
+   values, the same sizes on 2 ranks as on 3; an all-gather fails);
 2. ``sync_input_grad(dy, x_hat, invstd, weight, count)`` (file ``sync_grad.py``, every
    rank): BatchNorm's input gradient, derived by the student; judged against autograd
    through ``F.batch_norm`` on the concatenated global batch;
