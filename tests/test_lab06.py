@@ -42,7 +42,7 @@ from ddp_lab.checks import lab06 as checks
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab06 import ex1_atomic_save as ex1
 from ddp_lab.checks.lab06 import ex2_resume as ex2
-from ddp_lab.checks.lab06 import recipe
+from ddp_lab.checks.lab06 import hang_jobs, recipe
 from ddp_lab.checks.runner import STUB, namespace, run_ranks, split_magics
 from ddp_lab.grading import integrity
 
@@ -127,7 +127,7 @@ def test_every_draw_holds_every_edge_case():
             assert steps == sorted(set(steps))
             assert all(4 * e["accuracy"] == int(4 * e["accuracy"]) for e in c["history"][:1])
 
-        jobs = _inputs("test_ex4_fix_hang", seed)["cases"]
+        jobs = _inputs("test_ex5_fix_hang", seed)["cases"]
         assert [j["world_size"] for j in jobs] == [2, 3]
         for job in jobs:
             w = job["world_size"]
@@ -219,12 +219,17 @@ def _resume_outputs(spec: dict, want: dict, how: str = "right") -> list:
                     "propagated": stop is not None,
                     "files": [ex2.CKPT_NAME] if max(reached, start) >= every else [],
                     "final": final,
+                    # rank 0 saves each checkpoint once; every rank meets in a barrier after it
+                    "barriers": (start + steps) // every - start // every,
                 }
             )
             if stop is not None:
                 start = stop - stop % every
         for r in range(world):
-            mine = [dict(a, files=a["files"] if r == 0 else []) for a in attempts]
+            mine = [
+                dict(a, files=a["files"] if r == 0 else [], saves=a["barriers"] if r == 0 else 0)
+                for a in attempts
+            ]
             if how == "diverged" and r == 1:
                 mine[-1] = dict(mine[-1], final={k: v + 1e-3 for k, v in final.items()})
             ranks[r].append({"attempts": mine})
@@ -281,6 +286,20 @@ def test_resume_judge_accepts_the_uninterrupted_run_and_rejects_the_mistakes_eve
     for flaw, why in TWIN_REASONS.items():
         with pytest.raises(CheckFailed, match=re.escape(why[:40])):
             judge(inputs, named[flaw])
+
+
+def test_resume_judge_wants_rank_0_alone_writing_and_a_barrier_on_every_rank(cached_oracle):
+    inputs = _inputs("test_ex2_resume", 0)
+    spec = inputs["cases"][0]
+    right = _resume_outputs(spec, cached_oracle(spec))
+    stops = spec["scenarios"][0]
+    assert ex2.problem(spec, stops, [r[0] for r in right], cached_oracle(spec)) is None
+    both = [[{"attempts": [dict(a, saves=1) for a in r[0]["attempts"]]}] for r in right]
+    want = cached_oracle(spec)
+    assert "rank 0 alone writes" in ex2.problem(spec, stops, [r[0] for r in both], want)
+    lone = [[{"attempts": [dict(a, barriers=0) for a in r[0]["attempts"]]}] for r in right]
+    lone[0] = right[0]  # only rank 0 waits
+    assert "every rank waits in a barrier" in ex2.problem(spec, stops, [r[0] for r in lone], want)
 
 
 def test_a_twin_without_a_flaw_is_the_uninterrupted_run():
@@ -401,14 +420,14 @@ FIX_WRONGS = {
 
 
 def test_fix_judge_accepts_the_script_fixed_and_rejects_the_mistakes_every_draw():
-    judge = _judge("test_ex4_fix_hang")
+    judge = _judge("test_ex5_fix_hang")
     for seed in SEEDS:
-        inputs = _inputs("test_ex4_fix_hang", seed)
+        inputs = _inputs("test_ex5_fix_hang", seed)
         wrongs = {name: _fix_outputs(inputs, **how) for name, (how, _) in FIX_WRONGS.items()}
         assert_verdicts(judge, seed, inputs, _fix_outputs(inputs), wrongs)
         if seed == 0:
             named = wrongs
-    inputs = _inputs("test_ex4_fix_hang", 0)
+    inputs = _inputs("test_ex5_fix_hang", 0)
     for name, (_, reason) in FIX_WRONGS.items():
         with pytest.raises(CheckFailed, match=reason):
             judge(inputs, named[name])
@@ -418,7 +437,7 @@ def test_fix_judge_accepts_the_script_fixed_and_rejects_the_mistakes_every_draw(
 
 
 def test_solution_files_are_the_references():
-    for cell, name in (("ex2_resume", "resume.py"), ("ex4_fix_hang", "fixed_train.py")):
+    for cell, name in (("ex2_resume", "resume.py"), ("ex5_fix_hang", "fixed_train.py")):
         assert SOURCES[cell].startswith(f"%%writefile {name}\n")
         ours = integrity.fingerprints(SOURCES[cell])
         assert integrity.similarity(ours, integrity.fingerprints(ref.FILES[name])) == 1.0
@@ -464,10 +483,15 @@ def _write(folder: Path, source: str) -> Path:
 @pytest.mark.timeout(400)
 def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsys):
     checks.resume(str(_write(tmp_path, SOURCES["ex2_resume"])))
-    checks.fixed_script(str(_write(tmp_path, SOURCES["ex4_fix_hang"])))
+    checks.fixed_script(str(_write(tmp_path, SOURCES["ex5_fix_hang"])))
     assert capsys.readouterr().out.count("OK: ") == 2
     _write(tmp_path, _mistake("epoch_only").source)
     with pytest.raises(CheckFailed, match="position within the epoch"):
+        checks.resume(str(tmp_path / "resume.py"))
+    # right weights, but no rank waits for rank 0's file: the checker counts the barriers
+    assert SOURCES["ex2_resume"].count("dist.barrier()\n") == 1
+    _write(tmp_path, SOURCES["ex2_resume"].replace("dist.barrier()\n", "pass\n"))
+    with pytest.raises(CheckFailed, match="every rank waits in a barrier"):
         checks.resume(str(tmp_path / "resume.py"))
     (tmp_path / "fixed_train.py").write_text(f"def train(*args, **kwargs):\n    {STUB}()\n")
     with pytest.raises(CheckFailed, match="finish this exercise first"):
@@ -477,7 +501,7 @@ def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsy
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "gid,cell", [("test_ex2_resume", "ex2_resume"), ("test_ex4_fix_hang", "ex4_fix_hang")]
+    "gid,cell", [("test_ex2_resume", "ex2_resume"), ("test_ex5_fix_hang", "ex5_fix_hang")]
 )
 def test_the_references_pass_the_graders_runs_on_2_and_3_ranks(tmp_path, gid, cell):
     """The grader's path (every case of make_inputs under torchrun, the full judge): real DDP
@@ -494,7 +518,7 @@ def test_the_references_pass_the_graders_runs_on_2_and_3_ranks(tmp_path, gid, ce
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "name", [m.name for m in MORE_MISTAKES if m.cell == "ex4_fix_hang"] or ["none"]
+    "name", [m.name for m in MORE_MISTAKES if m.cell == "ex5_fix_hang"] or ["none"]
 )
 def test_more_fix_mistakes_fail_on_the_graders_runs_with_their_reason(tmp_path, name):
     """The ex4 mistakes the grading rounds leave out, through the grader's path (every case
@@ -505,11 +529,11 @@ def test_more_fix_mistakes_fail_on_the_graders_runs_with_their_reason(tmp_path, 
     _write(tmp_path, mistake.source)
     work = tmp_path / "work"
     work.mkdir()
-    ex = EXERCISES["test_ex4_fix_hang"]
-    inputs = _inputs("test_ex4_fix_hang", 3)
+    ex = EXERCISES["test_ex5_fix_hang"]
+    inputs = _inputs("test_ex5_fix_hang", 3)
     outputs = _saved(run_ranks(ex, LAB, inputs, work, tmp_path, ex.timeout))
     with pytest.raises(CheckFailed, match=re.escape(mistake.reason)):
-        _judge("test_ex4_fix_hang")(inputs, outputs)
+        _judge("test_ex5_fix_hang")(inputs, outputs)
 
 
 def _hang_script() -> str:
@@ -523,7 +547,7 @@ def _hang_script() -> str:
 def test_the_hanging_script_submitted_as_the_fix_is_stopped_and_leaves_no_process(tmp_path):
     source = _hang_script().replace("%%writefile hang_train.py", "%%writefile fixed_train.py")
     _write(tmp_path, source)
-    ex = EXERCISES["test_ex4_fix_hang"]
+    ex = EXERCISES["test_ex5_fix_hang"]
     inputs = ex.visible_inputs(torch.Generator().manual_seed(0))
     work = tmp_path / "work"
     work.mkdir()
@@ -531,3 +555,68 @@ def test_the_hanging_script_submitted_as_the_fix_is_stopped_and_leaves_no_proces
     with pytest.raises(CheckFailed, match="fixed_train.py"):
         run_ranks(ex, LAB, inputs, work, tmp_path, timeout=90)
     assert not new_leftovers(before, str(tmp_path))
+
+
+# --- exercise 4: real hanging jobs, their truth, the diagnosis ------------------------------
+
+
+@pytest.fixture(scope="module")
+def hang_draws():
+    """Two grading draws of exercise 4 (each one torchrun launch of 3 ranks, seconds)."""
+    return [_inputs("test_ex4_diagnose_hang", seed) for seed in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_hang_draw_holds_every_cause_and_detail_agrees_with_the_truth(hang_draws):
+    from ddp_lab.answers.lab06.hidden_diagnose import _own_seq
+    from ddp_lab.checks.contract import SEALED
+
+    for inputs in hang_draws:
+        truths = inputs[SEALED]["truths"]
+        seen = {
+            (j["job"]["world_size"], t["cause"])
+            for j, t in zip(inputs["jobs"], truths, strict=True)
+        }
+        assert seen == {(w, c) for w in (2, 3) for c in hang_jobs.CAUSES}
+        for job, truth in zip(inputs["jobs"], truths, strict=True):
+            assert sorted(job["logs"]) == list(range(job["job"]["world_size"]))
+            assert all("Detected mismatch between collectives" in t for t in job["logs"].values())
+            noticed = _own_seq(job, truth["rank"])
+            if truth["cause"] in ("rank_only", "shape", "dtype"):
+                # torch's own SequenceNumber is the position the construction says
+                assert noticed == truth["collective"], (job["job"], truth)
+            elif truth["cause"] == "uneven":
+                assert noticed > truth["collective"], "DETAIL notices only later: the trap"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diagnose_judge_accepts_the_solution_and_rejects_each_misreading(hang_draws):
+    from ddp_lab.answers.lab06.mistakes_diagnose import DIAGNOSE_MISTAKES
+    from ddp_lab.checks.contract import unsealed
+
+    ex, judge = EXERCISES["test_ex4_diagnose_hang"], _judge("test_ex4_diagnose_hang")
+    solution = namespace(SOURCES, ["ex4_diagnose_hang"])
+    for inputs in hang_draws:
+        assert "sealed" not in unsealed(inputs) and "sealed" in inputs
+        judge(inputs, _saved(ex.run(solution, unsealed(inputs), None)))
+        for m in DIAGNOSE_MISTAKES:
+            if m.name == "reads_inputs":  # needs the grader's folder: test_mistakes.py runs it
+                continue
+            ns = namespace({m.cell: m.source}, [m.cell])
+            with pytest.raises(CheckFailed, match=re.escape(m.reason)):
+                judge(inputs, _saved(ex.run(ns, unsealed(inputs), None)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diagnose_visible_check_passes_the_solution_and_asks_to_finish_a_stub(capsys):
+    checks.diagnose_hang(namespace(SOURCES, ["ex4_diagnose_hang"])["diagnose_hang"])
+    assert "OK: diagnose_hang named" in capsys.readouterr().out
+
+    def stub(logs, job):
+        raise NotImplementedError()
+
+    with pytest.raises(CheckFailed, match="finish this exercise first"):
+        checks.diagnose_hang(stub)

@@ -22,7 +22,7 @@ from _harness import ROOT, notebook_with, solution_sources
 
 from ddp_lab.answers import full_judge, hidden, lab_answers
 from ddp_lab.checks import runner
-from ddp_lab.checks.contract import exercises
+from ddp_lab.checks.contract import exercises, unsealed
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.values import plain
 from ddp_lab.grading.verdict import judge_notebook
@@ -110,7 +110,7 @@ def test_more_mistakes_fail_on_the_graders_path_in_this_process(lab, mistake, tm
     sources = {**solution_sources(lab), mistake.cell: mistake.source}
     try:
         ns = runner.namespace(sources, ex.cells, tmp_path, ex.forbid, ex.forbid_modules)
-        outputs = plain(runner.run_here(ex, ns, inputs, tmp_path))
+        outputs = plain(runner.run_here(ex, ns, unsealed(inputs), tmp_path))  # as the grader
     except Exception as err:  # noqa: BLE001 - the grader reports the student's error
         message = f"your code failed: {type(err).__name__}: {err}"
     else:

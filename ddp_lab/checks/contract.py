@@ -24,6 +24,11 @@ inputs drawn at grading time). Its functions run in different processes:
     back, or return a one-line success message. Comparisons with the exact reference answer
     live only in the instructor's part of the package (``ddp_lab.answers``), which the
     grader adds on top.
+
+Where the inputs are built so that the answer is known by construction and that answer must
+not reach the student's code (a diagnosis exercise: the cause drawn for each job), put it
+under ``inputs[SEALED]``: the grader keeps that entry out of the student's process and gives
+it back to the judge alone.
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ import torch
 #: Extra packages that hold the checks of labs outside ``ddp_lab.checks`` (comma-separated),
 #: e.g. the grader's self-test lab under ``tests/``.
 EXTRA_CHECKS_ENV = "DDP_LAB_EXTRA_CHECKS"
+#: The entry of an exercise's inputs that only its judge sees (see the module).
+SEALED = "sealed"
+
+
+def unsealed(inputs: dict) -> dict:
+    """``inputs`` without the judge's sealed entry: what the student's code may see."""
+    return {k: v for k, v in inputs.items() if k != SEALED}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ddp_lab.checks import guards
-from ddp_lab.checks.contract import Exercise, exercises
+from ddp_lab.checks.contract import Exercise, exercises, unsealed
 from ddp_lab.checks.failure import CheckFailed, passed
 
 #: Seed of the visible checks' inputs (the grader draws fresh ones from the OS).
@@ -230,10 +230,10 @@ def visible(
                 return
             if why := _unfinished(ex, folder):
                 raise CheckFailed(why)
-            outputs = run_ranks(ex, lab, inputs, workdir, folder, ex.timeout)
+            outputs = run_ranks(ex, lab, unsealed(inputs), workdir, folder, ex.timeout)
         else:
             try:
-                outputs = run_here(ex, functions or {}, inputs, workdir)
+                outputs = run_here(ex, functions or {}, unsealed(inputs), workdir)
             except NotImplementedError:
                 names = list(functions or {}) or ["your function"]
                 who = " and ".join([", ".join(names[:-1]), names[-1]] if names[1:] else names)

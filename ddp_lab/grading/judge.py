@@ -66,6 +66,10 @@ def judge_one(lab: str, item: dict) -> dict:
         return {"passed": False, "message": "the outputs were modified after your code finished"}
     try:
         inputs = torch.load(item["inputs"], weights_only=True)
+        if "sealed" in item:  # the answer known by construction, kept from the student
+            if sha256(item["sealed"]) != item["sealed_sha256"]:
+                return {"passed": False, "message": "the grader's inputs were modified"}
+            inputs.update(torch.load(item["sealed"], weights_only=True))
         outputs = torch.load(item["outputs"], weights_only=True)
     except Exception as err:  # noqa: BLE001 - unreadable or forged outputs fail the check
         return {"passed": False, "message": f"the outputs could not be read ({err})"[:500]}

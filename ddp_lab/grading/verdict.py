@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddp_lab import proctree
-from ddp_lab.checks.contract import Exercise, exercises, lab_of_notebook
+from ddp_lab.checks.contract import SEALED, Exercise, exercises, lab_of_notebook, unsealed
 from ddp_lab.checks.failure import CheckFailed, passed
 from ddp_lab.checks.runner import INPUTS_FILE, write_cells
 from ddp_lab.childenv import child_env
@@ -90,9 +90,13 @@ def _run_student(
     workdir.mkdir()
     make_inputs = extra.inputs if extra and extra.inputs else ex.make_inputs
     inputs = make_inputs(torch.Generator().manual_seed(seed))
+    sealed = {SEALED: inputs[SEALED]} if SEALED in inputs else {}
     inputs_path = private / f"{ex.grade_id}-inputs.pt"
-    torch.save(inputs, inputs_path)
+    torch.save(unsealed(inputs), inputs_path)  # the student's copy: without the sealed part
     inputs_sha256 = sha256(inputs_path)  # before any student code runs
+    sealed_path = private / f"{ex.grade_id}-sealed.pt"
+    if sealed:
+        torch.save(sealed, sealed_path)
     shutil.copy(inputs_path, workdir / INPUTS_FILE)
     write_cells(workdir, sources, ex.cells)
     for name, text in (extra.files() if extra and extra.files else {}).items():
@@ -134,6 +138,7 @@ def _run_student(
         "grade_id": ex.grade_id,
         "inputs": str(inputs_path),
         "inputs_sha256": inputs_sha256,
+        **({"sealed": str(sealed_path), "sealed_sha256": sha256(sealed_path)} if sealed else {}),
         "outputs": str(outputs_path),
         "outputs_sha256": sha256(outputs_path),
     }, ""

@@ -11,7 +11,8 @@
   broken rules (the drop measured from the previous evaluation, the latest checkpoint
   restored, ``>=`` for ``>``, a tie that moves the best, thrown-away steps counted from the
   best checkpoint even after an earlier rollback);
-- ex4: wrong weights matched against a run that stops every epoch at the shortest shard, and
+- ex4: the misreadings of ``hidden_diagnose``;
+- ex5: wrong weights matched against a run that stops every epoch at the shortest shard, and
   wrong logs against rank 0's own largest error.
 """
 
@@ -24,10 +25,11 @@ import torch
 
 from ddp_lab.answers import Hidden
 from ddp_lab.answers.lab06 import references as ref
+from ddp_lab.answers.lab06.hidden_diagnose import diagnose_explain
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab06 import ex2_resume as ex2
 from ddp_lab.checks.lab06 import ex3_rollback as ex3
-from ddp_lab.checks.lab06 import ex4_fix_hang as ex4
+from ddp_lab.checks.lab06 import ex5_fix_hang as ex5
 from ddp_lab.checks.lab06 import recipe
 from ddp_lab.checks.values import same_bits
 
@@ -300,13 +302,13 @@ def _hang_explain(inputs: dict, outputs: dict) -> str | None:
         world = case["world_size"]
         for i, spec in enumerate(case["runs"]):
             here = [r[i] for r in ranks]
-            if not ex4.run_problem(spec, world, here):
+            if not ex5.run_problem(spec, world, here):
                 continue
             w = here[0]["w"]
             at = f"{world} ranks, {len(spec['y'])} samples ({spec['kind']})"
             if isinstance(w, torch.Tensor) and w.shape == (spec["x"].shape[1],):
-                right = (w.double() - ex4.expected(spec, world)[0]).abs().max() <= ex4.ATOL
-                if not right and (w.double() - _shortest(spec, world)).abs().max() <= ex4.ATOL:
+                right = (w.double() - ex5.expected(spec, world)[0]).abs().max() <= ex5.ATOL
+                if not right and (w.double() - _shortest(spec, world)).abs().max() <= ex5.ATOL:
                     return (
                         f"{at}: every epoch stopped at the shortest shard's last step, so the "
                         "samples of the longer shards' last step were skipped: every rank must "
@@ -335,5 +337,6 @@ HIDDEN = {
     "test_ex1_atomic_save": Hidden(explain=_save_explain),
     "test_ex2_resume": Hidden(explain=_resume_explain),
     "test_ex3_rollback": Hidden(check=_rollback_check, explain=_rollback_explain),
-    "test_ex4_fix_hang": Hidden(explain=_hang_explain),
+    "test_ex4_diagnose_hang": Hidden(explain=diagnose_explain),
+    "test_ex5_fix_hang": Hidden(explain=_hang_explain),
 }

@@ -9,6 +9,7 @@ its ``reason`` in the verdict: ``MISTAKES`` through the real grader
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab06.mistakes_diagnose import DIAGNOSE_MISTAKES as _ALL_4
 from ddp_lab.answers.lab06.mistakes_save import SAVE_MISTAKES as _ALL_1
 
 # --- exercise 2: resume.py -------------------------------------------------------------------
@@ -269,9 +270,9 @@ _LOG_ALL = """                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if rank == 0:
                     logs.append([epoch, step, (loss_sum / count).item(), worst.item()])"""
 
-_ALL_4 = [
+_ALL_5 = [
     Mistake(
-        "ex4_fix_hang",
+        "ex5_fix_hang",
         "gathers_but_uneven",  # every rank now gathers the maxima, but the steps still differ
         """%%writefile fixed_train.py
 import torch
@@ -304,7 +305,7 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
         "did not return within",
     ),
     Mistake(
-        "ex4_fix_hang",
+        "ex5_fix_hang",
         "logs_own_worst",  # the logging collective dropped: rank 0 logs its own maximum
         _FIX_HEAD
         + """        n_steps = math.ceil(math.ceil(len(x) / world) / batch_size)
@@ -318,7 +319,7 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
         "rank 0 logged its own largest squared error",
     ),
     Mistake(
-        "ex4_fix_hang",
+        "ex5_fix_hang",
         "every_rank_logs",  # the collective moved out of the rank-0 branch, the records too
         _FIX_HEAD
         + _STEPS
@@ -331,7 +332,7 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
         "only rank 0 logs, the other ranks return []",
     ),
     Mistake(
-        "ex4_fix_hang",
+        "ex5_fix_hang",
         "shortest_shard",  # every rank stops where the shortest shard ends
         _FIX_HEAD
         + """        n_steps = math.ceil((len(x) // world) / batch_size)
@@ -342,7 +343,7 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
         "stopped at the shortest shard",
     ),
     Mistake(
-        "ex4_fix_hang",
+        "ex5_fix_hang",
         "every_rank_prints",  # the records on rank 0, but every rank prints them
         _FIX_HEAD
         + _STEPS
@@ -355,7 +356,7 @@ def train(x, y, epochs, batch_size, lr, log_every, seed=0):
     ),
 ]
 
-_ALL = _ALL_1 + _ALL_2 + _ALL_3 + _ALL_4
+_ALL = _ALL_1 + _ALL_2 + _ALL_3 + _ALL_4 + _ALL_5
 
 #: What ``tests/test_mistakes.py`` and the sample class run through the real grader: at most
 #: three per exercise (each round grades one mistake per exercise, and a round costs a whole

@@ -148,6 +148,38 @@ class _Interrupter:
         optimizer.step = types.MethodType(interrupted_step, optimizer)
 
 
+class _Writes:
+    """During one ``train()`` call: this rank's ``torch.save`` calls into the checkpoint's
+    folder (by path or by open file) and its ``dist.barrier`` calls."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.saves, self.barriers = folder.resolve(), 0, 0
+
+    def _mine(self, target) -> bool:
+        name = getattr(target, "name", target)
+        try:
+            return Path(os.fspath(name)).resolve().parent == self.folder
+        except TypeError:  # a buffer: serialising to memory writes nothing
+            return False
+
+    def __enter__(self):
+        save, barrier = self._saved = (torch.save, dist.barrier)
+
+        def counted_save(obj, f, *args, **kwargs):
+            self.saves += self._mine(f)
+            return save(obj, f, *args, **kwargs)
+
+        def counted_barrier(*args, **kwargs):
+            self.barriers += 1
+            return barrier(*args, **kwargs)
+
+        torch.save, dist.barrier = counted_save, counted_barrier
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.save, dist.barrier = self._saved
+
+
 def _shared_folder(rank: int) -> Path:
     box = [tempfile.mkdtemp(prefix="ddp_lab-resume-") if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -174,8 +206,9 @@ def _attempt(train, spec: dict, ckpt: Path, after: int | None, rank: int, world:
             "rank 0 calls, inside `if rank == 0:`?)"
         )
 
+    writes = _Writes(ckpt.parent)
     try:
-        with guards.call_watchdog(CALL_S, why):
+        with guards.call_watchdog(CALL_S, why), writes:
             train(
                 ddp,
                 optimizer,
@@ -195,6 +228,8 @@ def _attempt(train, spec: dict, ckpt: Path, after: int | None, rank: int, world:
         "interrupted": watch.fired,
         "propagated": propagated,
         "files": sorted(os.listdir(ckpt.parent)) if rank == 0 else [],
+        "saves": writes.saves,
+        "barriers": writes.barriers,
         "final": params(model),
     }
     del ddp, optimizer, scheduler
@@ -307,13 +342,38 @@ def weights_problem(spec: dict, stops: list[int], finals: list[dict], want: dict
     return None
 
 
+def writer_problem(spec: dict, stops: list[int], ranks: list[dict]) -> str | None:
+    """Rank 0 alone writes; every rank waits in a barrier after each checkpoint."""
+    at, every = scenario_text(spec, stops), spec["every"]
+    for rank, got in enumerate(ranks):
+        start = 0
+        for k, (stop, call) in enumerate(zip([*stops, None], got["attempts"], strict=True)):
+            if rank and call.get("saves"):
+                return (
+                    f"{at}: rank {rank} called torch.save into the checkpoint's folder in call "
+                    f"{k + 1}: rank 0 alone writes the checkpoint, the others wait for it"
+                )
+            written = (start + call["steps"]) // every - start // every
+            if call.get("barriers", 0) < written:
+                return (
+                    f"{at}: call {k + 1} passed {written} checkpoint(s), but rank {rank} called "
+                    f"dist.barrier() {call.get('barriers', 0)} time(s): after rank 0 writes, "
+                    "every rank waits in a barrier, so none reads a file that is not there yet"
+                )
+            if stop is not None:
+                start = stop - stop % every
+    return None
+
+
 def problem(spec: dict, stops: list[int], ranks: list[dict], want: dict) -> str | None:
     """The first thing wrong with one scenario (``want``: the oracle's weights), or None."""
     if len(ranks) != spec["world_size"]:
         return f"expected the results of {spec['world_size']} ranks, got {len(ranks)}"
     if why := count_problem(spec, stops, ranks[0]["attempts"]):
         return why
-    return weights_problem(spec, stops, [r["attempts"][-1]["final"] for r in ranks], want)
+    if why := weights_problem(spec, stops, [r["attempts"][-1]["final"] for r in ranks], want):
+        return why
+    return writer_problem(spec, stops, ranks)  # right weights: who wrote, who waited
 
 
 def judge(inputs: dict, outputs: dict) -> str:

@@ -258,8 +258,8 @@ def judge(inputs: dict, outputs: dict) -> str:
 
 
 EXERCISE = Exercise(
-    "test_ex4_fix_hang",
-    ("ex4_fix_hang",),
+    "test_ex5_fix_hang",
+    ("ex5_fix_hang",),
     "the hanging script, fixed",
     make_inputs,
     judge,
