@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ddp_lab.errors import UsageError
+from ddp_lab.profiling import BUCKET
 
 #: The variables torchrun sets for every worker; all or none must be present.
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -275,6 +277,8 @@ class CommMeter:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        #: set by ``--profile``: each launch inside a ``ddp_lab: all_reduce bucket <i>`` range
+        self.label = False
         self.calls = 0
         self.seconds = 0.0
         self._pending = 0
@@ -298,7 +302,10 @@ class CommMeter:
             self.calls += 1
         tensor = bucket.buffer()
         tensor.mul_(1.0 / self.world_size)  # DDP's own divisor, applied the same way
-        return dist.all_reduce(tensor, async_op=True).get_future().then(self._done)
+        label = record_function(f"{BUCKET}{bucket.index()}") if self.label else None
+        with label or contextlib.nullcontext():
+            work = dist.all_reduce(tensor, async_op=True)
+        return work.get_future().then(self._done)
 
     def _done(self, fut: torch.futures.Future) -> torch.Tensor:
         with self._lock:  # runs on the backend's thread

@@ -17,6 +17,7 @@ from ddp_lab.dist import DEFAULT_TIMEOUT_S, DistEnv, print0
 from ddp_lab.errors import UsageError
 from ddp_lab.faults import KINDS
 from ddp_lab.models import MODELS
+from ddp_lab.profiling import parse_schedule
 
 PROG = "ddp_lab.train"
 
@@ -213,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
         "step; between records a step costs no host sync and no extra collective (1: every "
         "step, as a debugging aid)",
     )
+    r.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="torch.profiler over a few steps (--profile-steps): every rank's trace as "
+        "Chrome trace JSON in DIR (Perfetto, TensorBoard), with ranges for data, forward, "
+        "backward, each DDP bucket's all-reduce and the optimizer step; memory too",
+    )
+    r.add_argument(
+        "--profile-steps",
+        metavar="WAIT,WARMUP,ACTIVE",
+        default="2,1,3",
+        help="optimizer steps the profiler skips, warms up on (recorded, thrown away) and keeps",
+    )
     r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     r.add_argument(
         "--dry-run",
@@ -259,6 +274,8 @@ class Config:
     tensorboard: str | None
     out: str
     log_every: int
+    profile: str | None
+    profile_steps: str
     no_progress: bool
     dry_run: bool
 
@@ -307,6 +324,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise UsageError(f"--grad-norm-warn must be >= 0 (0: off), got {cfg.grad_norm_warn}")
     if cfg.num_workers is not None and cfg.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {cfg.num_workers}")
+    try:
+        parse_schedule(cfg.profile_steps)
+    except ValueError as err:
+        raise UsageError(f"--profile-steps: {err}") from None
     return cfg
 
 

@@ -8,7 +8,8 @@ Run it on every GPU of a node, on CPU processes, or as one plain process::
 Outputs land in ``--out``: ``summary.json`` (final loss, accuracy, steps, world size,
 samples/s, seconds), ``metrics.jsonl`` (a record every ``--log-every`` steps, from rank 0),
 ``model.pt`` (the final state dict of the unwrapped model) and ``events.jsonl`` (the run's
-timeline: start, resume, checkpoints, faults). ``--help`` lists every flag.
+timeline: start, resume, checkpoints, faults); with ``--profile DIR`` a trace per rank
+(:mod:`ddp_lab.profiling`). ``--help`` lists every flag.
 
 The pieces around the loop have rooms of their own: the command line (:mod:`ddp_lab.options`),
 the optimizer step in lab 5's order (:mod:`ddp_lab.optim`), records at no per-step cost
@@ -54,6 +55,7 @@ from ddp_lab.models import build_model, has_batchnorm
 from ddp_lab.monitor import Clock, NormWarning, Recorder, Window
 from ddp_lab.optim import autocast, optimizer_step, warmup_schedule
 from ddp_lab.options import PROG, Config, build_parser, check_environment, parse_args
+from ddp_lab.profiling import StepProfiler, parse_schedule
 from ddp_lab.syncbn import convert_sync_batchnorm_auto
 
 __all__ = ["Config", "build_parser", "check_environment", "main", "parse_args", "train"]
@@ -306,6 +308,9 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
     clock = Clock()
     window = Window(env, clock, comm)  # between two records: no .item(), no extra collective
     norm_warning = NormWarning(cfg.grad_norm_warn, env)
+    prof = StepProfiler(cfg.profile, env.rank, env.device.type, parse_schedule(cfg.profile_steps))
+    if comm is not None:
+        comm.label = prof.enabled  # a range per bucket's all-reduce in the trace
     t_start = time.perf_counter()
     for epoch in range(pos.epoch, cfg.epochs):
         if pos.step >= total_steps:
@@ -320,28 +325,28 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
                 break
             faults.before_step(pos.step + 1, model)  # --fail-at-step: raise, kill, hang, ...
             for micro in range(cfg.accum_steps):
-                x, y = next(batches)
-                x = x.to(env.device, non_blocking=True)
-                y = y.to(env.device, non_blocking=True)
+                with prof.range("data"):
+                    x, y = next(batches)
+                    x = x.to(env.device, non_blocking=True)
+                    y = y.to(env.device, non_blocking=True)
                 # Gradients are all-reduced only on the last micro-step of the group.
                 last_micro = micro == cfg.accum_steps - 1
-                sync = (
-                    contextlib.nullcontext()
-                    if last_micro or not env.distributed
-                    else (model.no_sync())
-                )
-                with sync:
-                    with autocast(cfg.amp, env.device):
+                no_sync = env.distributed and not last_micro
+                with model.no_sync() if no_sync else contextlib.nullcontext():
+                    with prof.range("forward"), autocast(cfg.amp, env.device):
                         loss = torch.nn.functional.cross_entropy(model(x), y)
-                    scaler.scale(loss / cfg.accum_steps).backward()  # loss / K: a mean
+                    with prof.range("backward"):
+                        scaler.scale(loss / cfg.accum_steps).backward()  # loss / K: a mean
                 window.loss += loss.detach().float() / cfg.accum_steps
             log_now = (pos.step + 1) % cfg.log_every == 0 or pos.step + 1 == total_steps
             step_lr = optimizer.param_groups[0]["lr"]
             # unscale -> clip -> step (skipped on inf with fp16) -> update the loss scale
-            grad_norm, skipped = optimizer_step(
-                optimizer, scaler, params, cfg.clip_grad_norm, need_norm=log_now
-            )
+            with prof.range("optimizer"):
+                grad_norm, skipped = optimizer_step(
+                    optimizer, scaler, params, cfg.clip_grad_norm, need_norm=log_now
+                )
             scheduler.step()  # the warm-up's next rate
+            prof.step()
             pos.step += 1
             pos.samples += global_batch
             window.add_step(grad_norm, skipped)
@@ -398,6 +403,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
             rollbacks += done
             pending.update({"rollback": done[-1]} if done else {})
     recorder.close()
+    prof.close()
     seconds = time.perf_counter() - t_start
     train_seconds = clock.train_seconds()
     done_here = pos.step - first_step + 1  # steps this process ran (after a resume: fewer)

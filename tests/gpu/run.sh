@@ -53,6 +53,25 @@ fi
 run $PY -m ddp_lab.train "${TRAIN[@]}" --amp bf16 --out "$OUT/bf16" > "$OUT/log2" 2>&1 \
   && echo "PASS trainer single process bf16 on cuda" \
   || { echo "FAIL trainer bf16:"; tail -n 20 "$OUT/log2"; status=1; }
+# --profile on CUDA: every rank's trace holds the trainer's ranges and CUDA kernels
+if run "${TORCHRUN[@]}" -m ddp_lab.train "${TRAIN[@]}" --max-steps 12 --profile "$OUT/prof" \
+    --out "$OUT/prof-run" > "$OUT/log4" 2>&1; then
+  $PY - "$OUT/prof" "$NGPU" << 'PYEOF'
+import json, sys
+from ddp_lab.profiling import PHASES, PREFIX, trace_path
+for rank in range(int(sys.argv[2])):
+    events = json.load(open(trace_path(sys.argv[1], rank)))["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    missing = [p for p in PHASES if PREFIX + p not in names]
+    assert not missing and kernels, f"rank {rank}: missing {missing}, {kernels} CUDA kernels"
+print(f"PASS --profile on {sys.argv[2]} GPU(s): every rank's trace has the ranges and "
+      f"CUDA kernels ({kernels} on the last rank)")
+PYEOF
+  [ $? -eq 0 ] || status=1
+else
+  echo "FAIL trainer --profile on every GPU:"; tail -n 20 "$OUT/log4"; status=1
+fi
 # make bench's throughput pairs: the plain DDP reference and the trainer, interleaved
 NPROCS=(1); [ "$NGPU" -gt 1 ] && NPROCS+=("$NGPU")
 if timeout --kill-after=10 $((STEP * 2)) $PY -m ddp_lab.bench --only throughput \
