@@ -6,7 +6,8 @@
 - on real ranks (one gloo job of 3 processes per exercise): the reference and the notebook's
   solution pass: the sharded AdamW equals ``torch.optim.AdamW`` to 1e-6 after 10 steps on 2
   and 3 ranks (a frozen parameter and one without a gradient at some steps skipped as AdamW
-  skips them), the pipeline equals the unsplit model, the tensor-parallel layers equal
+  skips them, by reduce-scatter and all-gather), the pipeline equals the unsplit model
+  (all forwards before any backward), the tensor-parallel layers equal
   ``nn.Linear`` forward and backward; every other mistake fails with its reason;
 - the visible checks pass on the solutions and fail on a mistake with its message;
 - facts: FSDP2 (``fully_shard``) runs on the CPU with gloo and trains DDP's weights with a
@@ -108,13 +109,16 @@ def test_every_draw_holds_every_edge_case():
             ("mlp", 3),
             ("column", 2),
             ("row", 2),
+            ("row", 2),
             ("mlp", 2),
         ]
         for s in subs:
             split = s["fc1"]["weight"].shape[0 if s["kind"] in ("column", "mlp") else 1]
             assert split % s["ranks"], "the split dimension does not divide by the ranks"
         assert {s["x"].dim() for s in subs} == {2, 3}
-        assert any(s["fc1"]["bias"] is None for s in subs)
+        no_bias = {s["kind"] for s in subs if s["fc1"]["bias"] is None}
+        assert no_bias == {"column", "row"}, "a column and a row layer without bias"
+        assert any(s["kind"] == "row" and s["fc1"]["bias"] is not None for s in subs)
 
 
 # --- judges over 200 draws (outputs built without student processes) ------------------------
@@ -157,10 +161,20 @@ def _zero_outputs(inputs: dict, how: str = "right", oracles: list | None = None)
             "all_reduce_params": lambda spec=spec: hid._averaged_updates(spec)[0],
             "sums_gradients": lambda spec=spec: ex2.oracle(spec, _summed(spec).__getitem__),
             "zero_grad_for_frozen": lambda spec=spec: ex2.oracle(spec, hid._zero_for_none(spec)),
+            "all_reduce_gradients": lambda spec=spec, i=i: (
+                oracles[i] if oracles else ex2.oracle(spec)
+            ),
         }[how]()
         held = 2 * n * size if how == "steps_everything" else 3 * -(-n // spec["ranks"]) * size
+        padded = spec["ranks"] * -(-n // spec["ranks"])
+        norm = [["all_reduce", 1]] if spec["max_norm"] is not None else []
+        calls = [["reduce_scatter_single", padded], *norm, ["all_gather_single", padded]]
+        if how == "all_reduce_gradients":  # DDP's exchange, then the rank's own slice
+            calls = [["all_reduce", n], ["all_gather", padded]]
+        steps = [calls] * ex2.STEPS
         for r in range(case["world_size"]):
-            ranks[r].append({"params": params, "held": held} if r < spec["ranks"] else None)
+            out = {"params": params, "held": held, "calls": steps}
+            ranks[r].append(out if r < spec["ranks"] else None)
     return _saved({"cases": [ranks]})
 
 
@@ -169,7 +183,13 @@ def test_zero_judge_accepts_adamw_and_rejects_the_mistakes_every_draw():
     for seed in SEEDS:
         inputs = _inputs("test_ex2_zero", seed)
         oracles = [ex2.oracle(spec) for spec in inputs["cases"][0]["runs"]]
-        names = ("zero_grad_for_frozen", "steps_everything", "all_reduce_params", "sums_gradients")
+        names = (
+            "zero_grad_for_frozen",
+            "steps_everything",
+            "all_reduce_params",
+            "sums_gradients",
+            "all_reduce_gradients",
+        )
         wrongs = {
             n: _zero_outputs(inputs, n, oracles) for n in (names if seed in FEW else names[:1])
         }
@@ -180,6 +200,7 @@ def test_zero_judge_accepts_adamw_and_rejects_the_mistakes_every_draw():
         "ZeRO keeps about three",
         "moved 1/N",
         "summed the ranks",
+        "a reduce-scatter gives it just",
     )
     for name, reason in zip(names, reasons, strict=True):
         with pytest.raises(CheckFailed, match=reason):
@@ -204,21 +225,22 @@ def _pipeline_outputs(inputs: dict, how: str = "right") -> dict:
                 if how == "loss_not_divided":
                     grads = [g * m for g in grads]
                 last = [want["loss"], want["outputs"]] if r == p - 1 else None
-                out.append({"grads": grads, "result": last})
+                order = "FB" * m if how == "one_micro_batch_at_a_time" else "F" * m + "B" * m
+                out.append({"grads": grads, "result": last, "order": order})
             ranks[r].append(out)
     return _saved({"cases": [ranks]})
 
 
 def test_pipeline_judge_accepts_the_unsplit_model_and_rejects_the_mistakes_every_draw():
     judge = _judge("test_ex3_pipeline")
-    names = ("no_gradient_sent_back", "loss_not_divided")
+    names = ("no_gradient_sent_back", "loss_not_divided", "one_micro_batch_at_a_time")
     for seed in SEEDS:
         inputs = _inputs("test_ex3_pipeline", seed)
         wrongs = {n: _pipeline_outputs(inputs, n) for n in (names if seed in FEW else names[:1])}
         assert_verdicts(judge, seed, inputs, _pipeline_outputs(inputs), wrongs)
     inputs = _inputs("test_ex3_pipeline", 0)
     for name in names:
-        reason = next(m.reason for m in MISTAKES if m.name == name)
+        reason = next(m.reason for m in MISTAKES + MORE_MISTAKES if m.name == name)
         with pytest.raises(CheckFailed, match=reason):
             judge(inputs, _pipeline_outputs(inputs, name))
 
@@ -366,6 +388,26 @@ def test_more_mistakes_fail_their_exercise_with_their_reason(mistake):
     inputs, outputs = _on_ranks(gid)[mistake.name]
     with pytest.raises(CheckFailed, match=mistake.reason):
         _judge(gid)(inputs, outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_row_layer_that_assumes_a_bias_raises_on_the_bias_less_case_with_its_reason(tmp_path):
+    """``row_assumes_bias`` (``y + self.bias``) is right wherever there is a bias: the grading
+    run's row layer without one makes every rank of its group raise, and the error the
+    grader quotes (rank_worker under torchrun) names the case and that it has no bias."""
+    mistake = next(m for m in MISTAKES if m.name == "row_assumes_bias")
+    ex = EXERCISES["test_ex4_tensor_parallel"]
+    folder, work = tmp_path / "student", tmp_path / "work"
+    folder.mkdir()
+    work.mkdir()
+    (folder / "tp.py").write_text(_file(mistake.source))
+    inputs = ex.make_inputs(torch.Generator().manual_seed(3))
+    with pytest.raises(CheckFailed, match=mistake.reason) as failed:
+        run_ranks(ex, LAB, inputs, work, folder, ex.timeout)
+    said = str(failed.value)
+    assert "TypeError" in said and "tp.py line" in said, said
+    assert "RowParallelLinear over 2 ranks" in said and "no bias" in said, said
 
 
 # --- visible checks ---------------------------------------------------------------------------

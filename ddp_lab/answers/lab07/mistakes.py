@@ -1,16 +1,18 @@
 """Typical wrong answers of lab 7, and what the grader must say about each.
 
-Each source replaces the whole solution cell, written as a student would write it (not an
-edit of the reference). The first mistake of each exercise is the one the sample class's
-``mistake`` student submits; every one must fail its own exercise with its ``reason`` in the
-verdict: ``MISTAKES`` through the grader's path (``tests/test_mistakes.py``: in this
-process for exercise 1, in grader rounds for the distributed ones), ``MORE_MISTAKES`` in
-``tests/test_lab07.py`` (the distributed ones in one gloo job per exercise).
+Each source replaces the whole solution cell, as a student would write it (not an edit of
+the reference). The first of each exercise is the sample class's ``mistake`` student's; each
+must fail its own exercise with its ``reason`` in the verdict: ``MISTAKES`` on the grader's
+path (``tests/test_mistakes.py``: in this process for exercise 1, in grader rounds for the
+distributed ones), ``MORE_MISTAKES`` in ``tests/test_lab07.py`` (a gloo job per exercise).
+More in ``mistakes_comm.py``, and ``mistakes_tp.py`` (exercise 4's second: it raises).
 """
 
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab07.mistakes_comm import COMM_MISTAKES
+from ddp_lab.answers.lab07.mistakes_tp import TP_MISTAKES
 
 # --- exercise 1: memory_per_rank -------------------------------------------------------------
 
@@ -450,6 +452,7 @@ class ShardedAdamW:
         ),
         "added the bias on every rank",
     ),
+    *TP_MISTAKES,  # mistakes_tp.py: assumes a bias (the second: in the grader's round)
     Mistake(
         "ex4_tensor_parallel",
         "column_without_backward_all_reduce",
@@ -483,9 +486,9 @@ class ShardedAdamW:
     ),
 ]
 
-#: What the grader runs (``tests/test_mistakes.py``, and the sample class the first of each
-#: exercise): every mistake of exercise 1 (judged in one process, cheap), two of each
-#: distributed exercise (one grader round beyond the sample class's).
+_ALL += COMM_MISTAKES  # mistakes_comm.py: the right numbers, the wrong communication
+#: What the grader runs (``tests/test_mistakes.py``, the sample class the first of each): all
+#: of exercise 1 (in one process, cheap), two of each distributed one (one grader round more).
 _ROUNDS = {"ex1_memory": 99}
 MISTAKES = [
     m

@@ -6,10 +6,11 @@ answers, 4 points, graded by hand).
    judged against real tensors measured (a real AdamW, real chunks of the flat vector);
 2. ``ShardedAdamW`` (5, file ``zero.py``, every rank): AdamW with its state sharded over the
    ranks, clipping by the global norm, parameters without a gradient skipped; judged
-   against ``torch.optim.AdamW`` itself after every step, and by the bytes the object holds
-   per rank;
+   against ``torch.optim.AdamW`` itself after every step, by the bytes the object holds
+   per rank, and by the collectives each step calls (reduce-scatter, all-gather);
 3. ``gpipe_step`` (4, file ``pipeline.py``, every rank): a GPipe step over stages on
-   ranks, with micro-batches and send/recv; judged against the unsplit model's autograd;
+   ranks, with micro-batches and send/recv; judged against the unsplit model's autograd,
+   and by each stage's schedule (all forwards before any backward);
 4. ``ColumnParallelLinear`` / ``RowParallelLinear`` (5, file ``tp.py``, every rank):
    ``nn.Linear`` split by output or input features, and the MLP block built from them;
    judged against ``nn.Linear`` forward and backward, and by the collectives counted.

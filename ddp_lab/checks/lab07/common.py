@@ -55,11 +55,13 @@ def release(token_sizes, rank: int, world: int) -> None:
 
 
 @contextmanager
-def counted_collectives(counts: Counter) -> Iterator[None]:
+def counted_collectives(counts: Counter, sizes: list | None = None) -> Iterator[None]:
     """While the block runs, every ``torch.distributed`` collective the code calls adds 1 to
     ``counts[name]`` and then runs as usual (in ``torch.distributed`` and
     ``distributed_c10d``, so that a name imported from either is counted; a collective
-    that calls another one inside counts once)."""
+    that calls another one inside counts once). With ``sizes``, each call also appends
+    ``[name, numbers]``: the numbers of its largest tensor argument (a list of tensors
+    counting as their sum)."""
     import torch.distributed.distributed_c10d as c10d
 
     saved = []
@@ -70,6 +72,8 @@ def counted_collectives(counts: Counter) -> Iterator[None]:
         def counting(*args, _name=name, _original=original, **kwargs):
             if not inside[0]:
                 counts[_name] += 1
+                if sizes is not None:
+                    sizes.append([_name, numbers(*args, *kwargs.values())])
             inside[0] += 1
             try:
                 return _original(*args, **kwargs)
@@ -85,6 +89,19 @@ def counted_collectives(counts: Counter) -> Iterator[None]:
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
+
+
+def numbers(*args) -> int:
+    """The numbers of the largest tensor among ``args`` (a list of tensors: their sum)."""
+
+    def size(a) -> int:
+        if isinstance(a, torch.Tensor):
+            return a.numel()
+        if isinstance(a, list | tuple):
+            return sum(t.numel() for t in a if isinstance(t, torch.Tensor))
+        return 0
+
+    return max((size(a) for a in args), default=0)
 
 
 def randn(gen: torch.Generator, *shape: int, dtype=torch.float64, scale: float = 1.0):

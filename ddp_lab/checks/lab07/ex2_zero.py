@@ -13,7 +13,13 @@ Every rank's parameters must equal it after every step (to 1e-6 in float32, 1e-9
 float64), and between steps the optimizer may hold about three chunks' worth of tensors per
 rank (its part of the parameters and their two moments), measured by walking every tensor
 reachable from the object (:func:`ddp_lab.parallel.memory.held_bytes`), not the model's own
-parameters and gradients.
+parameters and gradients. Each ``step()``'s collectives are recorded (name, and the numbers
+of the largest tensor each one is given): the gradients must be combined by a
+reduce-scatter and the new parameters spread by an all-gather (any of ``torch.distributed``'s
+forms of either, at most ``n (c + P)`` numbers gathered for ``P`` parameter tensors and
+chunks of ``c``), and an all-reduce may carry no more than ``P`` numbers (the clipping norm's
+sums of squares): an all-reduce of the gradients gives the right parameters for 1.5 times
+the bytes of one all-reduce, which is what ZeRO's step costs.
 
 A parameter whose ``.grad`` is None (frozen: ``requires_grad=False``; or unused in a step's
 forward pass) must be skipped as ``torch.optim.AdamW`` skips it: its values do not move (no
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 
 import torch
 from torch import nn
@@ -48,6 +55,7 @@ from ddp_lab.checks.lab07.common import (
     DTYPES,
     WATCHDOG_S,
     ZERO_FILE,
+    counted_collectives,
     groups_for,
     randn,
     release,
@@ -200,15 +208,16 @@ def _one_run(cls, spec: dict, rank: int, group) -> dict:
             max_norm=spec["max_norm"],
             group=group,
         )
-    after = []
+    after, calls = [], []
     for s, step in enumerate(spec["grads"]):
         for i, (p, g) in enumerate(zip(params, step[rank], strict=True)):
             p.grad = g.clone() if has_grad(spec, i, s) else None
-        with guards.call_watchdog(WATCHDOG_S, hung):
+        calls.append([])
+        with guards.call_watchdog(WATCHDOG_S, hung), counted_collectives(Counter(), calls[-1]):
             opt.step()
         after.append(flat(params))
     held = held_bytes(opt, exclude=[*params, *(p.grad for p in params)])
-    return {"params": after, "held": held}
+    return {"params": after, "held": held, "calls": calls}
 
 
 def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
@@ -328,19 +337,75 @@ def memory_problem(spec: dict, outs: list) -> str | None:
     return None
 
 
+#: The collectives a step may call: the gradients' reduce-scatter, the parameters'
+#: all-gather (any of torch.distributed's forms), and all-reduces of the norm's few numbers.
+REDUCE_SCATTERS = (
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+)
+ALL_GATHERS = ("all_gather", "all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+ALL_REDUCES = ("all_reduce", "all_reduce_coalesced")
+
+
+def comm_problem(spec: dict, outs: list) -> str | None:
+    """A step whose collectives are not ZeRO's (a reduce-scatter of the gradients, an
+    all-gather of the parameters, all-reduces of at most one number per parameter), or
+    None."""
+    n, tensors = spec["ranks"], len(spec["shapes"])
+    c = -(-sum(math.prod(s) for s in spec["shapes"]) // n)
+    for rank, o in enumerate(outs):
+        calls = o.get("calls")
+        if not isinstance(calls, list) or len(calls) != STEPS:
+            return f"{run_text(spec)}: rank {rank}'s collectives were not recorded"
+        for s, step in enumerate(calls):
+            at = f"{run_text(spec)}: at step {s + 1}, rank {rank}"
+            names = [name for name, _ in step]
+            for name, size in step:
+                if name in ALL_REDUCES and size > tensors:
+                    return (
+                        f"{at} called {name} on {size:,} numbers: a rank needs only its own "
+                        "chunk of the averaged gradient, and a reduce-scatter gives it just "
+                        "that, for half of an all-reduce's bytes (ZeRO's step moves the bytes "
+                        "of one all-reduce in all, as DDP). An all-reduce may carry only the "
+                        f"norm's few numbers (at most {tensors} here)"
+                    )
+                if name not in (*REDUCE_SCATTERS, *ALL_GATHERS, *ALL_REDUCES):
+                    return (
+                        f"{at} called {name}: a ZeRO step communicates by a reduce-scatter "
+                        "(the gradients), an all-gather (the new parameters) and, to clip, "
+                        "an all-reduce of a few numbers; nothing else"
+                    )
+            gathered = sum(size for name, size in step if name in ALL_GATHERS)
+            if not any(name in REDUCE_SCATTERS for name in names) or not gathered:
+                return (
+                    f"{at} called {names or 'no collective'}: every step reduce-scatters the "
+                    "gradients and all-gathers the new parameters"
+                )
+            if gathered > n * (c + tensors):
+                return (
+                    f"{at} all-gathered {gathered:,} numbers: the new parameters are "
+                    f"{n} chunks of {c:,} (padded); gather them, not the gradients"
+                )
+    return None
+
+
 def judge(inputs: dict, outputs: dict) -> str:
-    """Every rank equal to AdamW after every step, and about 1/N of its state per rank."""
+    """Every rank equal to AdamW after every step, about 1/N of its state per rank, and
+    ZeRO's collectives."""
     for case, ranks in zip(inputs["cases"], outputs["cases"], strict=True):
         for r, spec in enumerate(case["runs"]):
             outs = [rank_out[r] if len(rank_out) > r else None for rank_out in ranks]
             outs = outs[: spec["ranks"]]
-            if why := params_problem(spec, outs) or memory_problem(spec, outs):
+            why = params_problem(spec, outs) or memory_problem(spec, outs)
+            if why := why or comm_problem(spec, outs):
                 raise CheckFailed(why)
     worlds = " and ".join(sorted({str(s["ranks"]) for c in inputs["cases"] for s in c["runs"]}))
     return (
         f"ShardedAdamW equals torch.optim.AdamW after each of {STEPS} steps on {worlds} ranks "
         "(float32 and float64, uneven chunks, clipping by the global norm), holding about "
-        "1/N of AdamW's state per rank"
+        "1/N of AdamW's state per rank and communicating by reduce-scatter and all-gather"
     )
 
 

@@ -9,7 +9,11 @@ returns the loss and the outputs.
 
 The oracle is the *unsplit* model on one process: the micro-batches concatenated, the mean
 cross-entropy, autograd. The last rank's loss and outputs and every stage's gradients must
-equal it (float64 to 1e-10, float32 to 1e-6 + 1e-5 relative).
+equal it (float64 to 1e-10, float32 to 1e-6 + 1e-5 relative). A forward hook on each
+stage's first layer records its schedule: every stage must run GPipe's, once per
+micro-batch, all ``m`` forwards of a step before any backward (``"FFFBBB"`` for ``m = 3``);
+each micro-batch's forward and backward in turn gives the right gradients with no pipeline
+at all.
 
 Case set, in one torchrun job of 3 ranks: 3 stages with 1 micro-batch (no pipelining) in
 float32, 3 stages with 4 micro-batches (more than stages) in float64, 2 stages (rank 2
@@ -102,6 +106,13 @@ def model(spec: dict, layers=None) -> nn.Sequential:
     return nn.Sequential(*parts)
 
 
+def _record(order: list[str], output) -> None:
+    """A forward of the stage's first layer: ``F``, and ``B`` when its backward reaches it."""
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        order.append("F")
+        output.register_hook(lambda grad: order.append("B"))
+
+
 def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
     """The student's ``gpipe_step`` on this rank's stage, ``STEPS`` times per run this rank
     takes part in (``None`` for the others)."""
@@ -113,11 +124,14 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
             out.append(None)
             continue
         stage = model(spec, stage_layers(spec, rank))
+        order: list[str] = []
+        stage[0].register_forward_hook(lambda *args, order=order: _record(order, args[-1]))
         hidden = spec["layers"][0][1]
         steps = []
         for step in spec["steps"]:
             for param in stage.parameters():
                 param.grad = None
+            order.clear()
 
             def hung(p=p, m=m) -> str:
                 return (
@@ -138,7 +152,13 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
                     F.cross_entropy,
                 )
             grads = [None if q.grad is None else q.grad.clone() for q in stage.parameters()]
-            steps.append({"grads": grads, "result": result if rank == p - 1 else None})
+            steps.append(
+                {
+                    "grads": grads,
+                    "result": result if rank == p - 1 else None,
+                    "order": "".join(order),
+                }
+            )
         out.append(steps)
     return out
 
@@ -207,6 +227,22 @@ def grads_problem(spec: dict, s: int, rank: int, grads, want: dict) -> str | Non
     return None
 
 
+def order_problem(spec: dict, s: int, rank: int, order) -> str | None:
+    """A stage that did not run GPipe's schedule (every forward, then every backward, one
+    per micro-batch), or None."""
+    m = spec["micro"]
+    if order == "F" * m + "B" * m:
+        return None
+    return (
+        f"{run_text(spec)}, step {s + 1}: stage {rank} ran its forward (F) and backward (B) "
+        f"passes in the order {order!r} (per micro-batch, as its first layer saw them); a "
+        f"GPipe step runs the stage once per micro-batch, all {m} forwards before any "
+        "backward: only then does stage 1 work on micro-batch 0 while stage 0 works on "
+        "micro-batch 1. The right gradients with each micro-batch's forward and backward in "
+        "turn (or the whole batch at once) leave all stages but one idle all the time"
+    )
+
+
 def run_problem(spec: dict, ranks: list) -> str | None:
     """The first thing wrong with one run, or None."""
     for s, step in enumerate(spec["steps"]):
@@ -220,6 +256,9 @@ def run_problem(spec: dict, ranks: list) -> str | None:
         last = ranks[spec["stages"] - 1][s]["result"]
         if why := result_problem(spec, s, last, want):
             return why
+        for rank in range(spec["stages"]):
+            if why := order_problem(spec, s, rank, ranks[rank][s].get("order")):
+                return why
     return None
 
 

@@ -22,7 +22,10 @@ Case set, in one torchrun job of 3 ranks: over all 3 ranks, a column layer (floa
 features not divisible by 3), a row layer (float64, 3-D input of shape (batch, tokens,
 features), input features not divisible by 3) and the MLP block (float64, 3-D input, hidden
 width not divisible by 3); over a group of ranks 0 and 1: a column layer without bias
-(float64), a row layer (float32), the MLP block (float32, odd hidden width).
+(float64), a row layer (float32), a row layer without bias (float32, 3-D input), the MLP
+block (float32, odd hidden width). The bias-less cases fail a layer that assumes a bias
+(``+ self.bias`` with ``self.bias`` None raises, and the rank's error says that the layer
+has none); the biased ones fail a row layer that adds its bias on every rank.
 """
 
 from __future__ import annotations
@@ -94,13 +97,15 @@ def _case(gen, kind_: str, ranks: int, dtype: str, tokens: bool, bias: bool = Tr
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """One job of 3 ranks: column, row, MLP over all 3; then over ranks 0 and 1."""
+    """One job of 3 ranks: column, row, MLP over all 3; then over ranks 0 and 1 (a column
+    and a row layer without bias among them)."""
     cases = [
         _case(gen, "column", 3, "float32", tokens=False),
         _case(gen, "row", 3, "float64", tokens=True),
         _case(gen, "mlp", 3, "float64", tokens=True),
         _case(gen, "column", 2, "float64", tokens=True, bias=False),
         _case(gen, "row", 2, "float32", tokens=False),
+        _case(gen, "row", 2, "float32", tokens=True, bias=False),
         _case(gen, "mlp", 2, "float32", tokens=False),
     ]
     return {"cases": [{"world_size": 3, "subs": cases}]}
@@ -129,6 +134,21 @@ def _linear_module(spec: dict) -> torch.nn.Linear:
         if b is not None:
             lin.bias.copy_(b)
     return lin
+
+
+def has_bias(spec: dict) -> bool:
+    """Whether the case's layers have a bias (every case with bias=False is one layer)."""
+    return spec["fc1"]["bias"] is not None
+
+
+def _no_bias_hint(spec: dict, err: Exception) -> None:
+    """Say in the error of a layer that assumed a bias where there is none that there is
+    none (the rank's error is what the student reads): the traceback stays the student's."""
+    if not has_bias(spec) and "NoneType" in str(err) and len(err.args) == 1:
+        err.args = (
+            f"{err} (in {case_text(spec)}: built from an nn.Linear without a bias, "
+            "linear.bias is None; self.bias must be None too, and forward work without it)",
+        )
 
 
 def _params(layer) -> dict:
@@ -197,7 +217,11 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> list:
             )
 
         with guards.call_watchdog(WATCHDOG_S, hung):
-            out.append(_one(student, spec, rank, groups.get(spec["ranks"])))
+            try:
+                out.append(_one(student, spec, rank, groups.get(spec["ranks"])))
+            except (TypeError, AttributeError) as err:
+                _no_bias_hint(spec, err)
+                raise
     release(sizes, rank, world)
     return out
 
@@ -218,11 +242,14 @@ def oracle(spec: dict) -> dict:
 
 
 def case_text(spec: dict) -> str:
-    """``"the row layer over 3 ranks (float64, input (2, 3, 7))"``."""
+    """``"RowParallelLinear over 3 ranks (float64, input (2, 3, 7))"`` (``", no bias"`` at
+    the end of the brackets for a layer without one)."""
     what = {"column": "ColumnParallelLinear", "row": "RowParallelLinear"}.get(
         spec["kind"], "the MLP block Column -> GELU -> Row"
     )
-    return f"{what} over {spec['ranks']} ranks ({spec['dtype']}, input {tuple(spec['x'].shape)})"
+    bias = "" if has_bias(spec) else ", no bias"
+    shape = tuple(spec["x"].shape)
+    return f"{what} over {spec['ranks']} ranks ({spec['dtype']}, input {shape}{bias})"
 
 
 def _parts(spec: dict, name: str, linear, rank: int) -> dict:
@@ -310,10 +337,12 @@ def judge(inputs: dict, outputs: dict) -> str:
             for rank, got in enumerate(members):
                 if why := calls_problem(spec, rank, got):
                     raise CheckFailed(why)
+    subs = [spec for case in inputs["cases"] for spec in case["subs"]]
+    bias = ", with and without bias" if not all(map(has_bias, subs)) else ""
     return (
         "ColumnParallelLinear and RowParallelLinear equal nn.Linear forward and backward over "
-        "2 and 3 ranks (uneven splits, 2-D and 3-D inputs, float32 and float64), and the MLP "
-        "block Column -> GELU -> Row communicates one all-reduce each way"
+        f"2 and 3 ranks (uneven splits, 2-D and 3-D inputs, float32 and float64{bias}), and "
+        "the MLP block Column -> GELU -> Row communicates one all-reduce each way"
     )
 
 
