@@ -3,17 +3,20 @@
 Three measurements, written to ``results/bench/bench.json`` and ``bench.png``:
 
 1. **Throughput pairs.** For 1 and for 2 processes (``--nprocs``), interleaved launches:
-   reference, trainer, reference, trainer, ... (``--pairs`` of each). The *reference* is a
-   plain PyTorch DDP script in the style of the official pytorch/examples DDP tutorial
+   reference, plain, trainer, reference, plain, trainer, ... (``--pairs`` rounds). Two
+   plain PyTorch DDP scripts in the style of the official pytorch/examples DDP tutorial
    (:func:`reference`: ``init_process_group``, ``DistributedSampler``, ``DDP``, SGD,
-   cross-entropy, nothing else); the *trainer* is ``torchrun -m ddp_lab.train`` with its
-   defaults (``--log-every 10``). Both run under the same launcher with the same model, data
-   (the synthetic set, generated per sample as the trainer reads it), per-process batch,
-   steps, optimizer settings, threads and loader workers, and both count samples/s the same
-   way: from the end of the first step to the end of the last one. Each pair gives a ratio
-   trainer / reference; the report is the median with min and max, so that the machine's
-   drift over minutes (other users, thermal) cancels within a pair instead of deciding
-   which side wins. Also the trainer's 2 / 1-process speed-up (median of its runs).
+   cross-entropy, nothing else): the *reference* reads the trainer's synthetic set
+   (generated per sample as the trainer reads it); the *plain* one shares nothing with the
+   trainer but the model: an in-memory ``TensorDataset`` of random CIFAR-shaped tensors, as
+   a student's script would hold them. The *trainer* is ``torchrun -m ddp_lab.train`` with
+   its defaults (``--log-every 10``). All run under the same launcher with the same model,
+   per-process batch, steps, optimizer settings, threads and loader workers, and all count
+   samples/s the same way: from the end of the first step to the end of the last one. Each
+   round gives the ratios trainer / reference and trainer / plain; the report is the median
+   with min and max, so that the machine's drift over minutes (other users, thermal)
+   cancels within a round instead of deciding which side wins. Also the trainer's 2 /
+   1-process speed-up (median of its runs).
 2. **Communication share of a step** (2 processes): blocks of DDP steps with the gradient
    all-reduce, alternating with blocks under ``no_sync`` (no all-reduce); share = 1 -
    no_sync / synced step time, next to the trainer's own ``comm_share`` (its comm hook).
@@ -48,6 +51,10 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 # --------------------------------------------------------------------------- pure parts
+
+
+#: The three launches of a round, in order.
+KINDS = ("reference", "plain", "trainer")
 
 
 def interleaved(
@@ -109,7 +116,9 @@ def _sync(device: torch.device) -> None:
 # --------------------------------------------------------------------------- the reference
 
 
-def reference(model_name: str, steps: int, batch: int, workers: int, lr: float = 0.05) -> None:
+def reference(
+    model_name: str, steps: int, batch: int, workers: int, lr: float = 0.05, data: str = "trainer"
+) -> None:
     """The plain PyTorch DDP script the trainer is measured against (run under torchrun).
 
     The shape of pytorch/examples' ``multigpu_torchrun.py``: a process group, the model on
@@ -117,13 +126,14 @@ def reference(model_name: str, steps: int, batch: int, workers: int, lr: float =
     loop of zero_grad / forward / cross-entropy / backward / step. Same model, synthetic
     data, batch, optimizer settings (SGD, lr 0.05, momentum 0.9: the trainer's defaults) and
     loader workers as the trainer. Rank 0 writes samples/s from the end of the first step.
+    ``data="trainer"`` reads the trainer's synthetic set; ``data="memory"`` an in-memory
+    ``TensorDataset`` of random tensors (nothing of the trainer's but the model).
     """
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ddp_lab.data import make_datasets
     from ddp_lab.models import build_model
 
     device, backend = device_and_backend()
@@ -133,7 +143,15 @@ def reference(model_name: str, steps: int, batch: int, workers: int, lr: float =
     model = build_model(model_name).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    dataset, _ = make_datasets("synthetic", train_size=steps * batch * world, test_size=1)
+    n = steps * batch * world
+    if data == "memory":
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+        dataset = torch.utils.data.TensorDataset(x, y)
+    else:
+        from ddp_lab.data import make_datasets
+
+        dataset, _ = make_datasets("synthetic", train_size=n, test_size=1)
     loader = DataLoader(
         dataset,
         batch_size=batch,
@@ -236,10 +254,12 @@ def all_reduce_times(sizes: Sequence[int], rounds: int, repeats: int, device) ->
 # --------------------------------------------------------------------------- launches
 
 
-def run_reference(args: argparse.Namespace, nproc: int) -> float:
-    """Samples/s of the reference on ``nproc`` processes (one launch)."""
+def run_reference(args: argparse.Namespace, nproc: int, data: str = "trainer") -> float:
+    """Samples/s of the reference (``data="memory"``: the plain one) on ``nproc``
+    processes (one launch)."""
     flags = ["--worker", "reference", "--model", args.model, "--steps", str(args.steps)]
     flags += ["--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+    flags += ["--data", data]
     res = torchrun(PROG, flags, nproc=nproc, module=True, timeout=args.timeout, stream=False)
     return res.result["samples_per_s"]
 
@@ -270,15 +290,15 @@ def load_1min() -> float:
 
 def throughput(args: argparse.Namespace) -> dict:
     """Interleaved pairs for each process count; ratios, speed-up and the load seen."""
-    order = interleaved(args.pairs, args.nprocs)
+    order = interleaved(args.pairs, args.nprocs, KINDS)
     out: dict = {"pairs": args.pairs, "order": [list(o) for o in order]}
     for n in args.nprocs:
-        out[f"np{n}"] = {"reference": [], "trainer": [], "trainer_comm_share": [], "load": []}
+        out[f"np{n}"] = {k: [] for k in (*KINDS, "trainer_comm_share", "load")}
     for i, n, kind in order:
         runs = out[f"np{n}"]
         runs["load"].append(load_1min())
-        if kind == "reference":
-            runs["reference"].append(run_reference(args, n))
+        if kind != "trainer":
+            runs[kind].append(run_reference(args, n, "memory" if kind == "plain" else "trainer"))
         else:
             samples_per_s, share = run_trainer(args, n)
             runs["trainer"].append(samples_per_s)
@@ -291,6 +311,7 @@ def throughput(args: argparse.Namespace) -> dict:
     for n in args.nprocs:
         runs = out[f"np{n}"]
         runs["trainer_over_reference"] = ratio_stats(runs["trainer"], runs["reference"])
+        runs["trainer_over_plain"] = ratio_stats(runs["trainer"], runs["plain"])
     top = max(args.nprocs)
     if 1 in args.nprocs and top > 1:  # the trainer's scaling: medians, and pair by pair
         one, many = out["np1"]["trainer"], out[f"np{top}"]["trainer"]
@@ -355,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     p.add_argument("--out", default="results/bench")
     p.add_argument("--worker", choices=["reference", "collectives"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--data", choices=["trainer", "memory"], default="trainer", help=argparse.SUPPRESS
+    )
     return p
 
 
@@ -363,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is None:  # the trainer's default: 4 on CUDA, 0 on the CPU
         args.workers = 4 if torch.cuda.is_available() else 0
     if args.worker == "reference":
-        reference(args.model, args.steps, args.batch_size, args.workers)
+        reference(args.model, args.steps, args.batch_size, args.workers, data=args.data)
         return 0
     if args.worker == "collectives":
         collectives_worker(args)
@@ -399,12 +423,15 @@ def report(result: dict) -> None:
     """Print the ratios that matter, one line each."""
     tp = result.get("throughput", {})
     for key in sorted(k for k in tp if k.startswith("np")):
-        r = tp[key]["trainer_over_reference"]
-        print(
-            f"{PROG}: trainer / reference, {key[2:]} process(es): median {r['median']:.3f} "
-            f"(min {r['min']:.3f}, max {r['max']:.3f}, {len(r['ratios'])} pairs)",
-            flush=True,
-        )
+        for other in ("reference", "plain"):
+            r = tp[key].get(f"trainer_over_{other}")
+            if r is None:
+                continue
+            print(
+                f"{PROG}: trainer / {other}, {key[2:]} process(es): median {r['median']:.3f} "
+                f"(min {r['min']:.3f}, max {r['max']:.3f}, {len(r['ratios'])} pairs)",
+                flush=True,
+            )
     if "trainer_speedup" in tp:
         s = tp["trainer_speedup"]
         print(

@@ -42,9 +42,9 @@ def test_json_shape_and_launch_order(monkeypatch, tmp_path):
     process count, and bench.json / bench.png hold every part."""
     calls = []
 
-    def fake_reference(args, nproc):
-        calls.append(("reference", nproc))
-        return 100.0 * nproc
+    def fake_reference(args, nproc, data="trainer"):
+        calls.append(("plain" if data == "memory" else "reference", nproc))
+        return (110.0 if data == "memory" else 100.0) * nproc
 
     def fake_trainer(args, nproc):
         calls.append(("trainer", nproc))
@@ -71,14 +71,16 @@ def test_json_shape_and_launch_order(monkeypatch, tmp_path):
         },
     )
     assert bench.main(["--pairs", "2", "--out", str(tmp_path)]) == 0
-    assert calls == [(k, n) for _, n, k in bench.interleaved(2, [1, 2])]
+    assert calls == [(k, n) for _, n, k in bench.interleaved(2, [1, 2], bench.KINDS)]
     result = json.loads((tmp_path / "bench.json").read_text())
     tp = result["throughput"]
     assert tp["np1"]["trainer_over_reference"]["median"] == pytest.approx(0.99)
     assert tp["np2"]["trainer_over_reference"]["ratios"] == pytest.approx([0.9405] * 2)
+    assert tp["np1"]["trainer_over_plain"]["median"] == pytest.approx(0.9)
+    assert tp["np2"]["trainer_over_plain"]["ratios"] == pytest.approx([188.1 / 220] * 2)
     assert tp["trainer_speedup"]["median"] == pytest.approx(1.9)
     assert tp["trainer_speedup"]["processes"] == 2
-    assert len(tp["np2"]["load"]) == 4 and tp["np2"]["trainer_comm_share"] == [0.1, 0.1]
+    assert len(tp["np2"]["load"]) == 6 and tp["np2"]["trainer_comm_share"] == [0.1, 0.1]
     assert {"comm_share", "bandwidth", "load_start", "load_end", "threads"} <= set(result)
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
@@ -92,7 +94,7 @@ def test_tiny_real_run_of_every_part(tmp_path):
     assert bench.main([*args, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     pair = result["throughput"]["np2"]
-    assert pair["reference"][0] > 0 and pair["trainer"][0] > 0
+    assert pair["reference"][0] > 0 and pair["plain"][0] > 0 and pair["trainer"][0] > 0
     assert 0 < pair["trainer_comm_share"][0] < 1
     assert result["comm_share"]["synced_median_s"] > 0
     bw = result["bandwidth"]

@@ -45,13 +45,17 @@ def _pairs(ax, result: dict) -> None:
     tp = result["throughput"]
     keys = sorted(k for k in tp if k.startswith("np"))
     for i, key in enumerate(keys):
-        r = tp[key]["trainer_over_reference"]
-        xs = np.arange(1, len(r["ratios"]) + 1)
-        ax.plot(xs, r["ratios"], "o-", color=COLORS[i], label=f"{key[2:]} proc.: {r['median']:.3f}")
+        for other, style in (("reference", "o-"), ("plain", "s--")):
+            r = tp[key].get(f"trainer_over_{other}")
+            if r is None:
+                continue
+            xs = np.arange(1, len(r["ratios"]) + 1)
+            label = f"{key[2:]} proc. / {other}: {r['median']:.3f}"
+            ax.plot(xs, r["ratios"], style, color=COLORS[i], label=label)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.axhline(1.0, color=GREY, lw=1)
     ax.axhline(0.98, color=COLORS[3], lw=1, ls="--", label="target 0.98")
-    ax.set_xlabel("pair (reference, trainer)")
+    ax.set_xlabel("round (reference, plain, trainer)")
     ax.set_ylabel("trainer / plain DDP samples/s")
     ax.set_title(f"{result.get('model', '')}, batch {result.get('batch_per_process', '')}")
     ax.legend(fontsize=8)
