@@ -178,7 +178,7 @@ class GradedLab:
 
     Example:
         >>> lab = GradedLab("lab05_amp_accumulation")
-        >>> sorted(lab.inputs("test_ex4_amp_step", 0)) == ["cases"]
+        >>> sorted(lab.inputs("test_ex4_ddp_step", 0)) == ["cases"]
         True
     """
 

@@ -8,7 +8,10 @@
 - direct facts: clipping after ``unscale_`` equals float32 clipping while clipping before
   does not; float16 with ``GradScaler`` on the CPU skips a forced inf step and halves the
   scale; accumulation with ``no_sync`` equals the big batch to 1e-6 (float64) with one
-  all-reduce per optimizer step; a deadlocking ``grad_norm.py`` is stopped, nothing survives.
+  all-reduce per optimizer step; a deadlocking ``grad_norm.py`` is stopped, nothing survives;
+- exercise 4 on real 3-rank runs: the reference over 30 draws and the notebook's solution
+  pass (no float16 overflow where none was put, the float32 oracle within its tolerance),
+  and every typical wrong step fails with its reason.
 
 The real grader runs (full marks, zero, mistakes, cheat) are in ``test_grading.py`` and
 ``test_mistakes.py``.
@@ -20,6 +23,7 @@ import copy
 import gc
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -33,7 +37,7 @@ from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab05 import ex1_fp16_report as ex1
 from ddp_lab.checks.lab05 import ex2_loss_scaler as ex2
 from ddp_lab.checks.lab05 import ex3_accumulation as ex3
-from ddp_lab.checks.lab05 import ex4_amp_step as ex4
+from ddp_lab.checks.lab05 import ex4_ddp_step as ex4
 from ddp_lab.checks.lab05 import ex5_global_grad_norm as ex5
 from ddp_lab.checks.lab05.common import net, random_state, state
 from ddp_lab.checks.runner import STUB, namespace, run_ranks
@@ -49,6 +53,31 @@ _mistake_ns = GRADED.mistake_ns
 
 
 # --- the case sets ---------------------------------------------------------------------------
+
+
+def _assert_step_edges(inputs: dict) -> None:
+    """Exercise 4's draw: 2 and 3 ranks in one job of 3, accumulate 1 and > 2 on each,
+    clipping active at the first step in one run of each, one overflow per run, float32."""
+    (case,) = inputs["cases"]
+    assert case["world_size"] == 3
+    runs = case["runs"]
+    assert [r["ranks"] for r in runs] == [2, 2, 3, 3], "the group's runs first"
+    for world in (2, 3):
+        mine = [r for r in runs if r["ranks"] == world]
+        assert [r["accumulate"] for r in mine][0] == 1 and mine[1]["accumulate"] > 2
+        clipped = [ex4.fp32_step(r["init"], r, 0)[1] > r["max_norm"] for r in mine]
+        assert sorted(clipped) == [False, True]
+    for r in runs:
+        k, steps = r["accumulate"], ex4.steps_of(r)
+        assert steps >= 2 and all(t.dtype == torch.float32 for t in r["init"].values())
+        o = r["overflow"]
+        assert 0 < o["step"] < steps, "a good step before the overflow"
+        assert k == 1 or o["micro_batch"] % k < k - 1, "the inf enters under no_sync"
+        for rank in range(r["ranks"]):
+            for j, x in enumerate(r["xs"][rank]):
+                inf = bool(torch.isinf(x.half()).any())
+                assert inf == (rank == o["rank"] and j == o["micro_batch"])
+        assert 2.0**6 <= r["init_scale"] * 2 ** (steps - 1) <= 2.0**11, "no overflow by luck"
 
 
 def test_every_draw_holds_every_edge_case():
@@ -74,7 +103,10 @@ def test_every_draw_holds_every_edge_case():
         i = first["events"].index(next(e for e in first["events"] if e))
         assert first["events"][i + 1] != 0, "two overflows in a row"
         gi = second["scaler"]["growth_interval"]
-        assert gi > 1 and second["scaler"]["backoff_factor"] != 0.5
+        assert gi > 1
+        for case in (first, second):  # never GradScaler's defaults, always exact
+            growth, backoff = case["scaler"]["growth_factor"], case["scaler"]["backoff_factor"]
+            assert growth in (4.0, 8.0) and backoff in (0.25, 0.125)
         overflow = next(j for j, e in enumerate(second["events"]) if e)
         assert gi < overflow < 2 * gi, "a growth first, then an overflow mid-interval"
         assert 3 in second["events"] and second["events"][-gi:] == [0] * gi
@@ -87,11 +119,9 @@ def test_every_draw_holds_every_edge_case():
             mine = [r for r in runs if r["ranks"] == ranks]
             n = [len(r["xs"][0]) for r in mine]
             assert mine[0]["k"] == 1 and n[1] % mine[1]["k"] != 0 and mine[2]["k"] > n[2]
+            assert n[3] == 1 and mine[3]["k"] > 1, "one micro-batch per rank"
 
-        cases = _inputs("test_ex4_amp_step", seed)["cases"]
-        assert [c["dtype"] for c in cases] == ["float16"] * 3 + ["bfloat16"]
-        assert [ex4.overflows(c) for c in cases] == [False, False, True, False]
-        assert cases[3]["init_scale"] is None and len(cases[0]["xs"]) == 2
+        _assert_step_edges(_inputs("test_ex4_ddp_step", seed))
 
         worlds = _inputs("test_ex5_global_grad_norm", seed)["cases"]
         assert [c["world_size"] for c in worlds] == [3]
@@ -100,6 +130,11 @@ def test_every_draw_holds_every_edge_case():
         assert {s["dtype"] for s in subs} == {"float32", "float64"}
         assert {s["norm"] for s in subs} == {"2", "inf"}
         assert any(not shard for s in subs for shard in s["shards"]), "a rank holds nothing"
+        tiny = subs[3]
+        assert tiny["dtype"] == "float32" and tiny["norm"] == "2"
+        want = ex5.oracle(tiny)
+        f32 = _float32_norm(tiny)
+        assert abs(f32 - want) > 100 * ex5.RTOL[torch.float32] * want, "float32 visibly wrong"
         for s in subs:
             if s["norm"] == "inf":
                 flat = torch.cat([g.reshape(-1) for sh in s["shards"] for g in sh])
@@ -138,7 +173,9 @@ def test_scaler_judge_rejects_every_broken_scaler_with_its_reason():
                 judge(inputs, got)
 
 
-def _accum_outputs(inputs: dict, factor=None, counts=None, drift: float = 0.0) -> dict:
+def _accum_outputs(
+    inputs: dict, factor=None, counts=None, drift: float = 0.0, returned=len
+) -> dict:
     """Every rank's outputs as a right (or wrong) run would give them."""
     case = inputs["cases"][0]
     ranks = []
@@ -155,6 +192,7 @@ def _accum_outputs(inputs: dict, factor=None, counts=None, drift: float = 0.0) -
             out.append(
                 {
                     "allreduces": counts(sizes) if counts else [1] * len(sizes),
+                    "returned": returned(sizes),
                     "after_last_step": 0,
                     "weights": steps,
                     "buckets": 1,
@@ -180,6 +218,10 @@ def test_accumulation_judge_accepts_the_big_batch_and_rejects_the_mistakes_every
                     inputs, lambda s: lambda g: sizes_of(s)[g] / s["k"]
                 ),
                 "syncs_the_first": _accum_outputs(inputs, drift=1e-3),
+                "returns_floor_division": _accum_outputs(
+                    inputs, returned=lambda sizes: sum(sizes) // max(sizes)
+                ),
+                "returns_nothing": _accum_outputs(inputs, returned=lambda sizes: "a NoneType"),
             }
         assert_verdicts(judge, seed, inputs, _accum_outputs(inputs), wrongs)
         if seed == 0:
@@ -191,52 +233,75 @@ def test_accumulation_judge_accepts_the_big_batch_and_rejects_the_mistakes_every
         judge(inputs, wrongs["loss_not_divided"])
     with pytest.raises(CheckFailed, match="was divided by k"):
         judge(inputs, wrongs["tail_divided_by_k"])
+    for name in ("returns_floor_division", "returns_nothing"):
+        with pytest.raises(CheckFailed, match="the number of optimizer steps taken"):
+            judge(inputs, wrongs[name])
 
 
-def _amp_outputs(inputs: dict, mistake: str | None = None) -> dict:
-    """Steps as a right (float32) or wrong amp_step would leave them."""
-    runs = []
-    for case in inputs["cases"]:
-        weights = case["init"]
-        scale = 1.0 if case["init_scale"] is None else case["init_scale"]
-        steps = []
-        for i in range(len(case["xs"])):
-            after, norm, _ = ex4.fp32_step(weights, case, i)
-            if ex4.overflows(case):
-                after, scale = weights, scale / 2
-            elif case["init_scale"] is not None:
-                scale *= 2
-            if mistake == "clip_before_unscale" and case["init_scale"] and not ex4.overflows(case):
-                s = case["init_scale"] if i == 0 else scale / 2
-                unclipped = ex4.fp32_step(weights, {**case, "max_norm": math.inf}, i)[0]
-                shrink = case["max_norm"] / (norm * s)
-                after = {k: weights[k] + (unclipped[k] - weights[k]) * shrink for k in weights}
-                norm *= s
-            if mistake == "no_update" and case["init_scale"] and not ex4.overflows(case):
-                scale = case["init_scale"]
-            if mistake == "norm_after_clipping":
-                norm = min(norm, case["max_norm"])
-            steps.append({"before": weights, "after": after, "norm": norm, "scale": scale})
-            weights = after
-        runs.append(steps)
-    return _saved({"runs": runs})
+def _step_outputs(inputs: dict, mistake: str | None = None) -> dict:
+    """Every rank's outputs as a right (float32) or wrong train_steps would leave them."""
+    (case,) = inputs["cases"]
+    ranks = [[] for _ in range(case["world_size"])]
+    for spec in case["runs"]:
+        scales = ex4.expected_scales(spec)
+        used, k = [spec["init_scale"], *scales], spec["accumulate"]
+        before, updates, norms = spec["init"], [], []
+        for s in range(ex4.steps_of(spec)):
+            if s == spec["overflow"]["step"]:
+                after, norm = before, math.nan
+                if mistake == "skips_without_update":
+                    norms.append(math.inf)
+                    continue
+            else:
+                after, norm = ex4.fp32_step(before, spec, s)
+                factor = {"clip_before_unscale": used[s], "loss_not_divided": k}.get(mistake, 1)
+                if factor != 1:  # the gradient times factor, clipped at max_norm
+                    clipped = ex4.fp32_step(before, spec, s, spec["max_norm"] / factor)[0]
+                    if mistake == "clip_before_unscale":  # clipped, then divided by S
+                        factor = 1
+                    after = {w: before[w] + factor * (clipped[w] - before[w]) for w in before}
+                    norm *= used[s] if mistake == "clip_before_unscale" else k
+            count = k if mistake == "no_no_sync" else 1
+            updates.append({"allreduces": count, "scale": scales[s], "weights": after})
+            norms.append(norm)
+            before = after
+        out = {"norms": norms, "updates": updates, "after_last": 0, "buckets": 1}
+        for r in range(case["world_size"]):
+            ranks[r].append(out if r < spec["ranks"] else None)
+    return _saved({"cases": [ranks]})
 
 
-def test_amp_judge_accepts_the_float32_step_and_rejects_the_mistakes_every_draw():
-    judge = _judge("test_ex4_amp_step")
-    wrong_names = ("clip_before_unscale", "no_update", "norm_after_clipping")
+STEP_WRONGS = {
+    "clip_before_unscale": "clipped the scaled gradients",
+    "no_no_sync": "under ddp_model.no_sync()",
+    "loss_not_divided": "not divided by accumulate",
+    "skips_without_update": "skipped steps included",
+}
+
+
+def test_step_judge_accepts_the_float32_big_batch_and_rejects_the_mistakes_every_draw():
+    judge = _judge("test_ex4_ddp_step")
     for seed in SEEDS:
-        inputs = _inputs("test_ex4_amp_step", seed)
-        names = wrong_names if seed in FEW else wrong_names[:1]
-        wrongs = {name: _amp_outputs(inputs, name) for name in names}
-        assert_verdicts(judge, seed, inputs, _amp_outputs(inputs), wrongs)
+        inputs = _inputs("test_ex4_ddp_step", seed)
+        names = list(STEP_WRONGS) if seed in FEW else list(STEP_WRONGS)[:2]
+        wrongs = {name: _step_outputs(inputs, name) for name in names}
+        assert_verdicts(judge, seed, inputs, _step_outputs(inputs), wrongs)
         if seed == 0:
             named = wrongs
-    inputs, wrongs = _inputs("test_ex4_amp_step", 0), named
-    with pytest.raises(CheckFailed, match="clipped the scaled gradients"):
-        judge(inputs, wrongs["clip_before_unscale"])
-    with pytest.raises(CheckFailed, match="returned the norm after clipping"):
-        judge(inputs, wrongs["norm_after_clipping"])
+    inputs = _inputs("test_ex4_ddp_step", 0)
+    for name, reason in STEP_WRONGS.items():
+        with pytest.raises(CheckFailed, match=re.escape(reason)):
+            judge(inputs, named[name])
+
+
+def _float32_norm(sub: dict) -> float:
+    """The L2 norm as float32 arithmetic gives it: squares summed in float32 on each rank,
+    then over the ranks."""
+    total = torch.zeros((), dtype=torch.float32)
+    for shard in sub["shards"]:
+        for g in shard:
+            total = total + (g.float() ** 2).sum()
+    return float(total.sqrt())
 
 
 def _norm_outputs(inputs: dict, how: str = "right") -> dict:
@@ -261,16 +326,31 @@ def _norm_outputs(inputs: dict, how: str = "right") -> dict:
                     math.sqrt(sum(v * v for v in local) / len(local)) if p == 2 else ex5.oracle(sub)
                 ]
                 * len(local),
+                "squares_in_float32": [
+                    _float32_norm(sub) if p == 2 and sub["dtype"] == "float32" else ex5.oracle(sub)
+                ]
+                * len(local),
+                "returns_a_float": [ex5.oracle(sub)] * len(local),
+                "returns_float32": [ex5.oracle(sub)] * len(local),
             }[how]
+            dtype = torch.float32 if how == "returns_float32" else torch.float64
             for r, v in enumerate(value):
-                ranks[r].append(torch.tensor(v, dtype=torch.float64))
+                ranks[r].append(v if how == "returns_a_float" else torch.tensor(v, dtype=dtype))
         cases.append(ranks)
     return {"cases": cases}
 
 
 def test_norm_judge_accepts_the_global_norm_and_rejects_the_mistakes_every_draw():
     judge = _judge("test_ex5_global_grad_norm")
-    names = ("local_only", "sums_norms", "inf_norm_summed", "mean_of_squares")
+    names = (
+        "local_only",
+        "sums_norms",
+        "inf_norm_summed",
+        "mean_of_squares",
+        "squares_in_float32",
+        "returns_a_float",
+        "returns_float32",
+    )
     for seed in SEEDS:
         inputs = _inputs("test_ex5_global_grad_norm", seed)
         wrongs = {n: _norm_outputs(inputs, n) for n in names}
@@ -282,6 +362,9 @@ def test_norm_judge_accepts_the_global_norm_and_rejects_the_mistakes_every_draw(
             "summed the ranks' norms",
             "summed the ranks' largest",
             "averaged the sums of squares",
+            "accumulated in float32",
+            "promises a 0-d float64 tensor",
+            "promises a 0-d float64 tensor",
         ),
         strict=True,
     ):
@@ -291,7 +374,7 @@ def test_norm_judge_accepts_the_global_norm_and_rejects_the_mistakes_every_draw(
 
 @pytest.mark.parametrize(
     "mistake",
-    [m for m in MORE_MISTAKES if m.cell in ("ex1_fp16_report", "ex2_loss_scaler", "ex4_amp_step")],
+    [m for m in MORE_MISTAKES if m.cell in ("ex1_fp16_report", "ex2_loss_scaler")],
     ids=lambda m: m.name,
 )
 def test_more_mistakes_fail_their_exercise_with_their_reason(mistake):
@@ -307,9 +390,7 @@ def test_more_mistakes_fail_their_exercise_with_their_reason(mistake):
 # --- the references and the notebook's solutions on real runs -------------------------------
 
 
-@pytest.mark.parametrize(
-    "gid,name", [("test_ex1_fp16_report", "fp16_report"), ("test_ex4_amp_step", "amp_step")]
-)
+@pytest.mark.parametrize("gid,name", [("test_ex1_fp16_report", "fp16_report")])
 def test_references_and_solutions_pass_in_process(gid, name):
     cell = gid.removeprefix("test_")
     solution = namespace(SOURCES, [cell])
@@ -317,22 +398,6 @@ def test_references_and_solutions_pass_in_process(gid, name):
         inputs = _inputs(gid, seed)
         for fn in (getattr(ref, name), solution[name]):
             _judge(gid)(inputs, _saved(EXERCISES[gid].run({name: fn}, inputs, None)))
-
-
-def test_the_amp_step_solution_passes_on_every_draw_when_it_really_runs():
-    """The judge's property test above builds the right steps in float32; only a real
-    float16 run shows an overflow that no right amp_step can avoid (the no-clipping case once
-    started at 2**16 and its second step overflowed in about 1 draw of 100: seed 352 of these
-    500 showed it)."""
-    gid = "test_ex4_amp_step"
-    solution = namespace(SOURCES, ["ex4_amp_step"])["amp_step"]
-    judge = _judge(gid)
-    for seed in range(500):
-        inputs = _inputs(gid, seed)
-        try:
-            judge(inputs, _saved(EXERCISES[gid].run({"amp_step": solution}, inputs, None)))
-        except CheckFailed as err:
-            pytest.fail(f"seed {seed}: the solution failed on a real run: {err}")
 
 
 def test_scaler_solution_equals_grad_scaler_bit_for_bit():
@@ -343,25 +408,27 @@ def test_scaler_solution_equals_grad_scaler_bit_for_bit():
 
 
 def test_solution_files_are_the_references():
-    for cell, name in (("ex3_accumulation", "accum.py"), ("ex5_global_grad_norm", "grad_norm.py")):
+    for cell, name in (
+        ("ex3_accumulation", "accum.py"),
+        ("ex4_ddp_step", "ddp_step.py"),
+        ("ex5_global_grad_norm", "grad_norm.py"),
+    ):
         assert SOURCES[cell].startswith(f"%%writefile {name}\n")
+        assert name in ref.FILES
 
 
 # --- visible checks ---------------------------------------------------------------------------
 
 
 def test_visible_checks_pass_the_solutions_and_name_a_mistake(capsys):
-    ns = namespace(SOURCES, ["ex1_fp16_report", "ex2_loss_scaler", "ex4_amp_step"])
+    ns = namespace(SOURCES, ["ex1_fp16_report", "ex2_loss_scaler"])
     checks.fp16_report(ns["fp16_report"])
     checks.loss_scaler(ns["LossScaler"])
-    checks.amp_step(ns["amp_step"])
-    assert capsys.readouterr().out.count("OK: ") == 3
+    assert capsys.readouterr().out.count("OK: ") == 2
     with pytest.raises(CheckFailed, match="max_scale should be"):
         checks.fp16_report(_mistake_ns("scale_from_finfo_max")["fp16_report"])
     with pytest.raises(CheckFailed, match="skip optimizer.step"):
         checks.loss_scaler(_mistake_ns("never_skips")["LossScaler"])
-    with pytest.raises(CheckFailed, match="times the float32 step"):
-        checks.amp_step(_mistake_ns("clip_before_unscale")["amp_step"])
     with pytest.raises(CheckFailed, match="finish this exercise first"):
         checks.fp16_report(lambda grads: (_ for _ in ()).throw(NotImplementedError()))
 
@@ -369,11 +436,20 @@ def test_visible_checks_pass_the_solutions_and_name_a_mistake(capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_visible_distributed_checks_run_the_files_under_torchrun(tmp_path, capsys):
-    for cell, name in (("ex3_accumulation", "accum.py"), ("ex5_global_grad_norm", "grad_norm.py")):
+    for cell, name in (
+        ("ex3_accumulation", "accum.py"),
+        ("ex4_ddp_step", "ddp_step.py"),
+        ("ex5_global_grad_norm", "grad_norm.py"),
+    ):
         (tmp_path / name).write_text(SOURCES[cell].split("\n", 1)[1])
     checks.accumulation(str(tmp_path / "accum.py"))
+    checks.ddp_step(str(tmp_path / "ddp_step.py"))
     checks.global_grad_norm(str(tmp_path / "grad_norm.py"))
-    assert capsys.readouterr().out.count("OK: ") == 2
+    assert capsys.readouterr().out.count("OK: ") == 3
+    clip_first = next(m for m in MISTAKES if m.name == "clip_before_unscale")
+    (tmp_path / "ddp_step.py").write_text(clip_first.source.split("\n", 1)[1])
+    with pytest.raises(CheckFailed, match="times the float32 step"):
+        checks.ddp_step(str(tmp_path / "ddp_step.py"))
     bad = next(m for m in MISTAKES if m.name == "no_no_sync")
     (tmp_path / "accum.py").write_text(bad.source.split("\n", 1)[1])
     with pytest.raises(CheckFailed, match="all-reduces, expected 1"):
@@ -499,6 +575,74 @@ def test_more_accumulation_mistakes_fail_with_their_reason_on_two_ranks(tmp_path
     spec = ex3._run_spec(torch.Generator().manual_seed(11), 2, 7, 3)
     why = ex3.problem(spec, 2, outs)
     assert why is not None and mistake.reason in why, why
+
+
+def _step_worker(rank: int, world: int, tmp: str, jobs: list) -> None:
+    """Exercise 4's runs of every job ``(label, cell source or None, seeds)`` on this rank,
+    through the checker's own per-run code (the 2-rank runs over a group of ranks 0, 1)."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    out = {}
+    for label, source, seeds in jobs:
+        ns: dict = {}
+        if source is not None:
+            exec(source.split("\n", 1)[1], ns)  # the cell without its %%writefile line
+        fn = ns.get("train_steps", ref.train_steps)
+        for seed in seeds:
+            runs = ex4.make_inputs(torch.Generator().manual_seed(seed))["cases"][0]["runs"]
+            out[f"{label}/{seed}"] = [
+                ex4._one_run(fn, spec, rank, pair if spec["ranks"] == 2 else None)
+                if rank < spec["ranks"]
+                else None
+                for spec in runs
+            ]
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    gc.collect()  # the DDP wrappers go before the groups do
+    dist.barrier()
+
+
+_STEP_MISTAKES = [m for m in (*MISTAKES, *MORE_MISTAKES) if m.cell == "ex4_ddp_step"]
+_STEP_JOBS = [
+    ("reference", None, range(30)),
+    ("solution", SOURCES["ex4_ddp_step"], range(30, 33)),
+    *((m.name, m.source, range(2)) for m in _STEP_MISTAKES),
+]
+
+
+@pytest.fixture(scope="module")
+def step_runs(tmp_path_factory) -> dict:
+    """One 3-rank job: the reference over 30 draws, the notebook's solution over 3, every
+    typical wrong step over 2 (about a minute on 2 cores)."""
+    tmp = tmp_path_factory.mktemp("ddp_step")
+    spawn_gloo(_step_worker, 3, str(tmp), _STEP_JOBS, timeout=600)
+    ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    return {key: {"cases": [[ranks[r][key] for r in range(3)]]} for key in ranks[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_the_reference_and_the_solution_step_equal_the_big_batch_on_real_runs(step_runs):
+    """Real float16 runs: no right step overflows where no inf was put, the float32 oracle
+    is within the tolerance, the injected overflow is skipped on every rank."""
+    judge = _judge("test_ex4_ddp_step")
+    for label, seeds in (("reference", range(30)), ("solution", range(30, 33))):
+        for seed in seeds:
+            inputs = _inputs("test_ex4_ddp_step", seed)
+            try:
+                judge(inputs, step_runs[f"{label}/{seed}"])
+            except CheckFailed as err:
+                pytest.fail(f"{label}, seed {seed}: {err}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("mistake", _STEP_MISTAKES, ids=lambda m: m.name)
+def test_step_mistakes_fail_with_their_reason_on_real_runs(step_runs, mistake):
+    for seed in range(2):
+        inputs = _inputs("test_ex4_ddp_step", seed)
+        with pytest.raises(CheckFailed, match=re.escape(mistake.reason)):
+            _judge("test_ex4_ddp_step")(inputs, step_runs[f"{mistake.name}/{seed}"])
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
 """Lab 5 (mixed precision, gradient accumulation, clipping), instructor only: reference
 answers, the grader's additions, mistakes.
 
-- ``references.py``: every exercise's reference (and the two ``%%writefile`` files);
+- ``references.py``: every exercise's reference (and the three ``%%writefile`` files);
 - ``hidden.py``: ``HIDDEN``, exact comparisons and named diagnoses of typical mistakes;
 - ``mistakes.py``: ``MISTAKES`` (the first of each exercise being the sample class's) and
-  ``MORE_MISTAKES``.
+  ``MORE_MISTAKES`` (exercise 4's come from ``mistakes_step.py``).
 
 Not in the student kit (see :mod:`ddp_lab.answers`).
 """

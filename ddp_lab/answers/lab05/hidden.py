@@ -7,13 +7,15 @@
   float32 that stops at 2**127 for tiny gradients, bfloat16's share measured in float16;
 - ex2: a wrong run matched against typical broken scalers (never grows, grows at every step,
   keeps counting good steps across an overflow, misses NaN, never skips, unscales twice,
-  forgets that a step was skipped);
+  forgets that a step was skipped, ignores its growth and backoff factors);
 - ex3: wrong weights matched against a loss not divided by the group size (k times the
   learning rate), a short last group divided by k, and a loss divided by the world size too;
-- ex4: a wrong step matched against clipping before ``unscale_`` (the minGPT bug), no
-  clipping, and a returned norm that is the scaled one or the one after clipping;
+- ex4: a wrong DDP step matched against clipping before ``unscale_`` (the minGPT bug), a
+  loss not divided by ``accumulate``, one divided by the world size too, and a norm summed
+  over the ranks of gradients DDP had already averaged;
 - ex5: a wrong norm matched against the rank's own norm, the sum of the ranks' norms, the
-  mean of the squares, and an inf-norm without ``abs``.
+  mean of the squares, a sum of squares in float32 (tiny gradients), and an inf-norm
+  without ``abs``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab05 import ex1_fp16_report as ex1
 from ddp_lab.checks.lab05 import ex2_loss_scaler as ex2
 from ddp_lab.checks.lab05 import ex3_accumulation as ex3
-from ddp_lab.checks.lab05 import ex4_amp_step as ex4
+from ddp_lab.checks.lab05 import ex4_ddp_step as ex4
 from ddp_lab.checks.lab05 import ex5_global_grad_norm as ex5
 from ddp_lab.checks.values import max_diff, number, same_bits
 
@@ -166,7 +168,28 @@ class _StickyInf(ref.LossScaler):
         self._found_inf = found
 
 
+class _FixedGrowth(ref.LossScaler):
+    def update(self):
+        self._growth_factor = 2.0  # GradScaler's default, not the argument
+        super().update()
+
+
+class _FixedFactors(_FixedGrowth):
+    def update(self):
+        self._backoff_factor = 0.5
+        super().update()
+
+
 _SCALER_MISTAKES = [
+    (
+        _FixedGrowth,
+        "your scale grows by 2 whatever growth_factor says: multiply by growth_factor",
+    ),
+    (
+        _FixedFactors,
+        "your scale grows by 2 and backs off by 0.5 whatever growth_factor and "
+        "backoff_factor say: use the constructor's arguments",
+    ),
     (
         _NeverGrows,
         "your scale never grows: after growth_interval good steps in a row, multiply "
@@ -205,14 +228,20 @@ def _scaler_explain(inputs: dict, outputs: dict) -> str | None:
     runs = outputs.get("runs")
     if not isinstance(runs, list) or len(runs) != len(inputs["cases"]):
         return None
+
+    def same_run(twin: dict, got: dict) -> bool:
+        return twin["scales"] == got.get("scales") and all(
+            same_bits(a, b) for a, b in zip(twin["weights"], got.get("weights", []), strict=True)
+        )
+
     for case, got in zip(inputs["cases"], runs, strict=True):
-        if not ex2.first_problem(case, got, ex2.oracle(case)):
+        want = ex2.oracle(case)
+        if not ex2.first_problem(case, got, want):
             continue
+        if same_run(want, got):
+            return None  # right values (the kit names what else is wrong: get_scale's type)
         for cls, why in _SCALER_MISTAKES:
-            twin = ex2.drive(cls(**case["scaler"]), case)
-            if twin["scales"] == got["scales"] and all(
-                same_bits(a, b) for a, b in zip(twin["weights"], got["weights"], strict=True)
-            ):
+            if same_run(ex2.drive(cls(**case["scaler"]), case), got):
                 return f"{ex2.describe(case)}: {why}"
         return None
     return None
@@ -263,44 +292,88 @@ def _accumulation_explain(inputs: dict, outputs: dict) -> str | None:
 # --- exercise 4 ---------------------------------------------------------------------------
 
 
-def _amp_explain(inputs: dict, outputs: dict) -> str | None:
-    for case, steps in zip(inputs["cases"], outputs.get("runs", []), strict=False):
-        scale = 1.0 if case["init_scale"] is None else case["init_scale"]
-        for i, got in enumerate(steps):
-            if not ex4.step_problem(case, i, got, scale):
-                scale = got["scale"]
+def _near(a: float, b: float, rel: float = 0.03) -> bool:
+    return math.isfinite(a) and abs(a - b) <= rel * abs(b)
+
+
+def _moved_like(after: dict, before: dict, twin: dict, rel: float = 0.03) -> bool:
+    """The step ``before -> after`` is the step ``before -> twin``, to ``rel``."""
+    delta = ex4.flat_delta(after, before)
+    want = ex4.flat_delta(twin, before)
+    return bool(torch.isfinite(delta).all()) and float((delta - want).norm()) <= rel * float(
+        want.norm()
+    )
+
+
+def _scaled_twin(before: dict, spec: dict, s: int, factor: float) -> dict:
+    """The weights after a step with ``factor`` times the true gradient, clipped at
+    ``max_norm`` (the step of the true gradient clipped at ``max_norm / factor``, times
+    ``factor``)."""
+    clipped = ex4.fp32_step(before, spec, s, spec["max_norm"] / factor)[0]
+    return {k: before[k] + factor * (clipped[k] - before[k]) for k in before}
+
+
+def _step_explain(inputs: dict, outputs: dict) -> str | None:
+    for case, ranks in zip(inputs["cases"], outputs.get("cases", []), strict=False):
+        for r, spec in enumerate(case["runs"]):
+            outs = [rank_out[r] for rank_out in ranks[: spec["ranks"]]]
+            if not ex4.problem(spec, outs):
                 continue
-            if ex4.overflows(case) or "error" in got:
-                return None
-            what = f"amp_step, {ex4.describe(case)}, step {i}"
-            _, norm, unclipped = ex4.fp32_step(got["before"], case, i)
-            moved = float(ex4.flat_delta(got["after"], got["before"]).norm())
-            clip = min(1.0, case["max_norm"] / norm)
-            if scale > 1 and norm * scale > case["max_norm"]:
-                mingpt = unclipped * case["max_norm"] / (norm * scale)
-                if abs(moved - mingpt) <= 0.05 * mingpt or abs(got["norm"] - norm * scale) <= (
-                    0.05 * norm * scale
-                ):
-                    right = unclipped * clip
-                    return (
-                        f"{what}: you clipped the scaled gradients (clip_grad_norm_ before "
-                        f"scaler.unscale_): their norm is {norm * scale:.4g}, {scale:g} times "
-                        f"the true one, so clipping shrank the step to {moved / right:.2g} "
-                        "times the right one (the bug of the PyTorch examples' minGPT "
-                        "trainer); unscale first, then clip"
-                    )
-            if clip < 0.5 and abs(moved - unclipped) <= 0.05 * unclipped:
-                return (
-                    f"{what}: the step was not clipped: its gradient norm {norm:.4g} is above "
-                    f"max_norm {case['max_norm']:.4g}; clip_grad_norm_ after unscale_, before "
-                    "step"
-                )
-            if abs(got["norm"] - case["max_norm"]) <= 1e-3 * case["max_norm"] and clip < 1:
-                return (
-                    f"{what}: you returned the norm after clipping ({got['norm']:.4g} = "
-                    "max_norm); return what clip_grad_norm_ returns, the norm before clipping"
-                )
+            if ex4.count_problem(spec, outs):
+                return None  # the kit's message names the count
+            before, scales = spec["init"], [spec["init_scale"], *ex4.expected_scales(spec)]
+            for s in range(ex4.steps_of(spec)):
+                if not ex4.step_problem(spec, s, before, outs):
+                    before = outs[0]["updates"][s]["weights"]
+                    continue
+                if s == spec["overflow"]["step"]:
+                    return None
+                return _wrong_step(spec, s, before, outs[0], scales[s])
             return None
+    return None
+
+
+def _wrong_step(spec: dict, s: int, before: dict, out: dict, scale: float) -> str | None:
+    """The typical mistake that gives step ``s``'s norm and weights, or None."""
+    got, after = out["norms"][s], out["updates"][s]["weights"]
+    right, norm = ex4.fp32_step(before, spec, s)
+    k, n = spec["accumulate"], spec["ranks"]
+    what = f"{ex4.run_text(spec)}, step {s}"
+    if _near(got, norm * scale):  # S >= 2**6: no other factor comes near
+        return (
+            f"{what}: you clipped the scaled gradients (clip_grad_norm_ before "
+            f"scaler.unscale_): their norm is {norm * scale:.4g}, {scale:g} times the true "
+            "one, so the clip shrank the step far below the right one; unscale_ first, then "
+            "clip"
+        )
+
+    def twin(factor: float) -> bool:
+        return _near(got, norm * factor) and (
+            _moved_like(after, before, right)
+            or _moved_like(after, before, _scaled_twin(before, spec, s, factor))
+        )
+
+    if k > 1 and twin(k):
+        return (
+            f"{what}: your norm is {k} times the true one: each micro-batch's loss was not "
+            f"divided by accumulate ({k}), so the accumulated gradient is the sum of the "
+            "micro-batches' gradients, not their mean"
+        )
+    if twin(1 / n):
+        return (
+            f"{what}: your norm is the true one divided by the world size ({n}): DDP "
+            "averages over the ranks already; divide by accumulate only"
+        )
+    clipped = ex4.fp32_step(before, spec, s, spec["max_norm"] / math.sqrt(n))[0]
+    if _near(got, norm * math.sqrt(n)) and (
+        _moved_like(after, before, right) or _moved_like(after, before, clipped)
+    ):
+        return (
+            f"{what}: your norm is sqrt({n}) times the true one: the gradients were already "
+            "averaged by DDP, so every rank holds the whole gradient and its own "
+            "clip_grad_norm_ is the global norm; summing the ranks' squares counts every "
+            f"entry {n} times"
+        )
     return None
 
 
@@ -315,6 +388,17 @@ def _local_norms(sub: dict) -> list[float]:
         v = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
         out.append(float(torch.linalg.vector_norm(v, p)) if v.numel() else 0.0)
     return out
+
+
+def _float32_norm(sub: dict) -> float:
+    """The L2 norm as a float32 sum of squares gives it (each rank's, then their sum)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for shard in sub["shards"]:
+        flat = [g.reshape(-1).float() for g in shard]
+        if flat:
+            mine = torch.cat(flat)
+            total = total + (mine * mine).sum()
+    return float(total.sqrt())
 
 
 def _norm_explain(inputs: dict, outputs: dict) -> str | None:
@@ -350,6 +434,14 @@ def _norm_explain(inputs: dict, outputs: dict) -> str | None:
                     f"{what}: you averaged the sums of squares over the ranks; the norm needs "
                     "their sum (every gradient entry counts once)"
                 )
+            if sub["norm"] == "2" and sub["dtype"] == "float32":
+                f32 = _float32_norm(sub)
+                if all(abs(v - f32) <= 1e-2 * want for v in results):
+                    return (
+                        f"{what}: your norm ({results[0]:.6g}, expected {want:.6g}) was "
+                        "accumulated in float32: these gradients are so small that their "
+                        "squares underflow in float32; convert to float64 before squaring"
+                    )
             if sub["norm"] == "inf":
                 if all(near(v, sum(local)) for v in results):
                     return (
@@ -370,6 +462,6 @@ HIDDEN = {
     "test_ex1_fp16_report": Hidden(check=_report_check, explain=_report_explain),
     "test_ex2_loss_scaler": Hidden(explain=_scaler_explain),
     "test_ex3_accumulation": Hidden(explain=_accumulation_explain),
-    "test_ex4_amp_step": Hidden(explain=_amp_explain),
+    "test_ex4_ddp_step": Hidden(explain=_step_explain),
     "test_ex5_global_grad_norm": Hidden(explain=_norm_explain),
 }

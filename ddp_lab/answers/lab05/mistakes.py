@@ -9,6 +9,7 @@ its ``reason`` in the verdict: ``MISTAKES`` through the real grader
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab05.mistakes_step import STEP_MISTAKES
 
 # exercise 1: the right scale search, on which the share mistakes below are built
 _SCALE = """
@@ -117,21 +118,6 @@ def train_accumulated(ddp_model, optimizer, micro_batches, k, loss_fn):
 """
 _SYNC_LAST = "contextlib.nullcontext() if last else ddp_model.no_sync()"
 
-# exercise 4: one step, the clipping and the returned norm in the middle
-_AMP = """
-import torch
-import torch.nn.functional as F
-
-
-def amp_step(model, optimizer, scaler, x, y, max_norm, dtype):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=dtype):
-        loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-{middle}
-    return norm
-"""
-
 # exercise 5: the file's head
 _NORM_HEAD = """%%writefile grad_norm.py
 import math
@@ -191,6 +177,12 @@ _ALL = [
         "scale_search_in_float32",  # the search multiplies float32 tensors by 2.0**k
         _report(_NONZERO_32, _RIGHT_SHARE),
         "is already inf in float32",
+    ),
+    Mistake(
+        "ex1_fp16_report",
+        "shares_as_tensors",  # right values, but 0-d tensors where the docstring says floats
+        _report(_NONZERO, _RIGHT_SHARE.replace(".sum().item()", ".sum()")),
+        "promises Python floats",
     ),
     # --- exercise 2: LossScaler ----------------------------------------------------------------
     Mistake(
@@ -268,6 +260,21 @@ _ALL = [
         + _UPDATE,
         "divided by the scale twice",
     ),
+    Mistake(
+        "ex2_loss_scaler",
+        "hardcoded_growth",  # right with GradScaler's default growth_factor (2.0) only
+        _INIT + _UNSCALE + _STEP + _UPDATE.replace("self.s *= self.growth", "self.s *= 2"),
+        "whatever growth_factor says",
+    ),
+    Mistake(
+        "ex2_loss_scaler",
+        "scale_as_tensor",  # every value right, but get_scale() gives a tensor
+        _INIT.replace("self.s = float(init_scale)", "self.s = torch.tensor(float(init_scale))")
+        + _UNSCALE
+        + _STEP
+        + _UPDATE,
+        "promises a Python float",
+    ),
     # --- exercise 3: train_accumulated --------------------------------------------------------
     Mistake(
         "ex3_accumulation",
@@ -319,85 +326,15 @@ def train_accumulated(ddp_model, optimizer, micro_batches, k, loss_fn):
 """,
         "under ddp_model.no_sync()",
     ),
-    # --- exercise 4: amp_step -----------------------------------------------------------------
     Mistake(
-        "ex4_amp_step",
-        "clip_before_unscale",  # the minGPT bug
-        _AMP.format(
-            middle="""    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()"""
+        "ex3_accumulation",
+        "returns_floor_division",  # the right loop, but the short last group is not counted
+        _ACCUM.format(context=_SYNC_LAST, divide=" / len(group)").replace(
+            "    return steps\n", "    return len(micro_batches) // k\n"
         ),
-        "clipped the scaled gradients",
+        "the number of optimizer steps taken",
     ),
-    Mistake(
-        "ex4_amp_step",
-        "no_clipping",
-        _AMP.format(
-            middle="""    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.get_total_norm(
-        [p.grad for p in model.parameters() if p.grad is not None])
-    scaler.step(optimizer)
-    scaler.update()"""
-        ),
-        "was not clipped",
-    ),
-    Mistake(
-        "ex4_amp_step",
-        "optimizer_step",  # unscaled and clipped right, but an overflow reaches the weights
-        _AMP.format(
-            middle="""    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    scaler.update()"""
-        ),
-        "must be skipped",
-    ),
-    Mistake(
-        "ex4_amp_step",
-        "no_update",
-        _AMP.format(
-            middle="""    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)"""
-        ),
-        "call scaler.update()",
-    ),
-    Mistake(
-        "ex4_amp_step",
-        "norm_after_clipping",
-        _AMP.format(
-            middle="""    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = torch.nn.utils.get_total_norm(
-        [p.grad for p in model.parameters() if p.grad is not None])
-    scaler.step(optimizer)
-    scaler.update()"""
-        ),
-        "returned the norm after clipping",
-    ),
-    Mistake(
-        "ex4_amp_step",
-        "mingpt_no_unscale",  # pytorch/examples minGPT-ddp: clip, then scaler.step unscales
-        _AMP.format(
-            middle="""    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()"""
-        ),
-        "clipped the scaled gradients",
-    ),
-    Mistake(
-        "ex4_amp_step",
-        "no_zero_grad",  # the previous step's gradients are added into this one's
-        _AMP.replace("    optimizer.zero_grad(set_to_none=True)\n", "").format(
-            middle="""    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()"""
-        ),
-        "times the float32 step",
-    ),
+    *STEP_MISTAKES,  # exercise 4: train_steps (mistakes_step.py)
     # --- exercise 5: global_grad_norm ---------------------------------------------------------
     Mistake(
         "ex5_global_grad_norm",
@@ -412,6 +349,45 @@ def train_accumulated(ddp_model, optimizer, micro_batches, k, loss_fn):
     return result
 """,
         "summed the ranks' norms",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "squares_in_float32",  # converted to float64 after squaring: tiny squares are lost
+        """%%writefile grad_norm.py
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(local_grads, norm_type=2.0, group=None):
+    result = torch.zeros((), dtype=torch.float64)
+    for g in local_grads:
+        if g.numel() == 0:
+            continue
+        if norm_type == math.inf:
+            result = torch.maximum(result, g.detach().abs().max().double())
+        else:
+            result += (g.detach() ** 2).sum().double()  # squared and summed in g's dtype
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    dist.all_reduce(result, op=op, group=group)
+    return result if norm_type == math.inf else result.sqrt()
+""",
+        "accumulated in float32",
+    ),
+    Mistake(
+        "ex5_global_grad_norm",
+        "returns_a_float",  # the right value as a Python float, not a 0-d float64 tensor
+        _NORM_HEAD
+        + """    if norm_type == math.inf:
+        result = mine.abs().max() if mine.numel() else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+        return result.item()
+    result = (mine * mine).sum()
+    dist.all_reduce(result, group=group)
+    return result.sqrt().item()
+""",
+        "promises a 0-d float64 tensor",
     ),
     Mistake(
         "ex5_global_grad_norm",

@@ -3,10 +3,11 @@
 - :func:`fp16_report`: casts the gradients (the kit's judge derives thresholds instead);
 - :class:`LossScaler`: the dynamic loss scaler that equals ``torch.amp.GradScaler``;
 - :func:`train_accumulated`: accumulation over ``k`` micro-batches with ``no_sync``;
-- :func:`amp_step`: scale -> backward -> unscale_ -> clip -> step -> update;
+- :func:`train_steps`: accumulation with ``no_sync``, float16 with a scaler, ``unscale_``
+  before clipping, one DDP step per ``accumulate`` micro-batches;
 - :func:`global_grad_norm`: the norm of gradients sharded over ranks.
 
-``FILES`` holds the two ``%%writefile`` files of the notebook (exercises 3 and 5) as
+``FILES`` holds the three ``%%writefile`` files of the notebook (exercises 3, 4 and 5) as
 sources, for the tests.
 """
 
@@ -123,17 +124,25 @@ def train_accumulated(ddp_model, optimizer, micro_batches, k, loss_fn) -> int:
     return steps
 
 
-def amp_step(model, optimizer, scaler, x, y, max_norm, dtype):
-    """One mixed-precision step; returns the true gradient norm before clipping."""
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=dtype):
-        loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    return norm
+def train_steps(ddp_model, optimizer, scaler, micro_batches, accumulate, max_norm):
+    """One optimizer step per ``accumulate`` micro-batches under DDP: float16 autocast, the
+    scaled loss divided by ``accumulate``, ``no_sync`` on all but the last micro-batch,
+    ``unscale_`` -> clip -> ``scaler.step`` -> ``update``; the norms before clipping."""
+    norms = []
+    for start in range(0, len(micro_batches), accumulate):
+        group = micro_batches[start : start + accumulate]
+        for i, (x, y) in enumerate(group):
+            last = i == len(group) - 1
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                with torch.autocast(x.device.type, dtype=torch.float16):
+                    loss = F.cross_entropy(ddp_model(x), y) / accumulate
+                scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return norms
 
 
 def global_grad_norm(local_grads, norm_type=2.0, group=None) -> torch.Tensor:
@@ -153,9 +162,13 @@ def _file(*functions, header: str) -> str:
     return header + "\n\n\n" + "\n\n\n".join(inspect.getsource(f) for f in functions)
 
 
-#: The notebook's two files (``%%writefile`` cells), as the reference writes them.
+#: The notebook's three files (``%%writefile`` cells), as the reference writes them.
 FILES = {
     "accum.py": _file(train_accumulated, header="import contextlib"),
+    "ddp_step.py": _file(
+        train_steps,
+        header="import contextlib\n\nimport torch\nimport torch.nn.functional as F",
+    ),
     "grad_norm.py": _file(
         global_grad_norm, header="import math\n\nimport torch\nimport torch.distributed as dist"
     ),

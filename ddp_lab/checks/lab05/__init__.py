@@ -9,8 +9,12 @@
 3. ``train_accumulated`` (3, file ``accum.py``, every rank): accumulation over ``k``
    micro-batches with ``no_sync``; judged against one process on the big batch and by the
    all-reduces per optimizer step that the checker's communication hook counts;
-4. ``amp_step`` (3): one float16 or bfloat16 step with a scaler and clipping; judged against
-   the float32 step with clipping on the true gradients;
+4. ``train_steps`` (3, file ``ddp_step.py``, every rank): labs 3 to 5 in one DDP step,
+   accumulation with ``no_sync``, float16 autocast with a ``GradScaler``, ``unscale_`` before
+   clipping, an overflow skipped on every rank; judged against one float32 process on the
+   global batch (clipped on the true gradients), step by step, by the all-reduces per
+   optimizer step that the checker's communication hook counts, and by the scale after each
+   step (a second ``GradScaler`` driven through the same steps);
 5. ``global_grad_norm`` (3, file ``grad_norm.py``, every rank): the norm of gradients
    sharded over ranks; judged against the norm of the concatenated gradients.
 
@@ -36,17 +40,17 @@ from ddp_lab.checks.lab05 import (
     ex1_fp16_report,
     ex2_loss_scaler,
     ex3_accumulation,
-    ex4_amp_step,
+    ex4_ddp_step,
     ex5_global_grad_norm,
 )
-from ddp_lab.checks.lab05.common import ACCUM_FILE, LAB, NORM_FILE
+from ddp_lab.checks.lab05.common import ACCUM_FILE, DDP_STEP_FILE, LAB, NORM_FILE
 
 __all__ = [
     "EXERCISES",
     "GRADING",
     "LAB",
     "accumulation",
-    "amp_step",
+    "ddp_step",
     "fp16_report",
     "global_grad_norm",
     "loss_scaler",
@@ -57,7 +61,7 @@ EXERCISES = [
     ex1_fp16_report.EXERCISE,
     ex2_loss_scaler.EXERCISE,
     ex3_accumulation.EXERCISE,
-    ex4_amp_step.EXERCISE,
+    ex4_ddp_step.EXERCISE,
     ex5_global_grad_norm.EXERCISE,
 ]
 
@@ -84,13 +88,14 @@ def loss_scaler(cls: type) -> None:
 
 def accumulation(path: str = ACCUM_FILE) -> None:
     """Visible check of exercise 3: the file on 2 ranks (torchrun), k = 1, an uneven tail,
-    and k larger than the number of micro-batches."""
+    k larger than the number of micro-batches, and one micro-batch per rank."""
     runner.visible(LAB, "test_ex3_accumulation", folder=Path(path).parent)
 
 
-def amp_step(fn: Callable) -> None:
-    """Visible check of exercise 4: one float16 step (scale 2**16) and one bfloat16 step."""
-    _visible("test_ex4_amp_step", "amp_step", fn)
+def ddp_step(path: str = DDP_STEP_FILE) -> None:
+    """Visible check of exercise 4: the file on 2 ranks (torchrun), accumulate 1 with
+    clipping active and accumulate 3 or 4, each run with one step that overflows."""
+    runner.visible(LAB, "test_ex4_ddp_step", folder=Path(path).parent)
 
 
 def global_grad_norm(path: str = NORM_FILE) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 LAB = "lab05_amp_accumulation"
 
 #: Files the notebook's distributed solution cells write (``%%writefile``).
-ACCUM_FILE, NORM_FILE = "accum.py", "grad_norm.py"
+ACCUM_FILE, DDP_STEP_FILE, NORM_FILE = "accum.py", "ddp_step.py", "grad_norm.py"
 
 
 class Net(nn.Module):

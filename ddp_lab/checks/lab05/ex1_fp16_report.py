@@ -23,6 +23,9 @@ subnormals: their largest safe scale is above ``2**127``, beyond float32's range
 that multiplies float32 tensors by ``2.0**k`` meets inf at ``k = 128`` and stops at
 ``2**127``), and those at or below ``2**-134`` become 0 in bfloat16 although float32 holds
 them.
+
+Every value of the report must be a Python ``float``, as the docstring promises (checked
+once the values are right: a 0-d tensor, or an ``int`` from ``2**k``, loses the exercise).
 """
 
 from __future__ import annotations
@@ -199,6 +202,12 @@ def check_report(grads: list[torch.Tensor], got) -> None:
             raise CheckFailed(
                 f"{what}: {key} ({words}) should be {want[key]:.6f}, got "
                 f"{value if value == value else kind(got[key])}"
+            )
+    for key in KEYS:  # right values: now the types the docstring promises
+        if not isinstance(got[key], float):
+            raise CheckFailed(
+                f"{what}: {key} has the right value but is {kind(got[key])}; the docstring "
+                "promises Python floats (a tensor's .item(), float(...), 2.0**k)"
             )
 
 

@@ -10,9 +10,11 @@ The oracle is torch's own ``torch.amp.GradScaler("cpu", ...)``, driven by the sa
 the same inputs in the judge's process: the student's scaler must give the same scaled
 losses, the same scale trajectory and the same weights, bit for bit. The case set: growth
 interval 1 (the scale grows after every good step) with SGD + momentum, two overflows in a
-row and a NaN; growth interval 2 to 4 with a backoff factor of 0.25 and Adam, a growth
-before the first overflow, an overflow in the middle of an interval (the count of good
-steps restarts) and a NaN. One parameter never receives a gradient (``.grad`` is None).
+row and a NaN; growth interval 2 to 4 with Adam, a growth before the first overflow, an
+overflow in the middle of an interval (the count of good steps restarts) and a NaN. Every
+run draws a growth factor of 4 or 8 and a backoff factor of 1/4 or 1/8 (never the defaults
+2 and 1/2, which a scaler that ignores its arguments would follow by luck). One parameter
+never receives a gradient (``.grad`` is None). ``get_scale()`` must return a Python float.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab05.common import net, random_state, state
-from ddp_lab.checks.values import max_diff, number, plain, randint, same_bits, uniform
+from ddp_lab.checks.values import kind, max_diff, number, plain, randint, same_bits, uniform
 
 #: Forced gradient events: what is written into one gradient entry after a backward pass.
 EVENTS = {0: None, 1: math.inf, 2: -math.inf, 3: math.nan}
@@ -42,13 +44,23 @@ def _events(steps: int, marks: dict[int, int]) -> list[int]:
     return [marks.get(i, 0) for i in range(steps)]
 
 
+def _factors(gen: torch.Generator) -> dict:
+    """Growth and backoff factors other than GradScaler's defaults (2.0, 0.5), so that a
+    scaler that ignores its arguments fails; powers of two, so that every scale and every
+    unscaled gradient is exact (bit for bit is then fair to any order of operations)."""
+    return {
+        "growth_factor": 2.0 ** randint(gen, 2, 3),
+        "backoff_factor": 2.0 ** -randint(gen, 2, 3),
+    }
+
+
 def _case(gen: torch.Generator, interval: int) -> dict:
     dims = (randint(gen, 4, 7), randint(gen, 5, 9), 3)
     if interval == 1:
         steps, first = 10, randint(gen, 1, 3)
         marks = {first: 1, first + 1: 2, first + randint(gen, 3, 5): 3}
         explicit = [first + 1, randint(gen, 0, steps - 1)]
-        scaler = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1}
+        scaler = {**_factors(gen), "growth_interval": 1}
         optimizer = {"name": "sgd", "lr": uniform(gen, 0.05, 0.2), "momentum": 0.9}
     else:
         steps = 3 * interval + 6
@@ -56,7 +68,7 @@ def _case(gen: torch.Generator, interval: int) -> dict:
         nan = first + randint(gen, 1, interval)
         marks = {first: randint(gen, 1, 2), nan: 3}
         explicit = [nan, randint(gen, 0, steps - 1)]
-        scaler = {"growth_factor": 2.0, "backoff_factor": 0.25, "growth_interval": interval}
+        scaler = {**_factors(gen), "growth_interval": interval}
         optimizer = {"name": "adam", "lr": uniform(gen, 0.005, 0.02)}
     batch = randint(gen, 3, 6)
     return {
@@ -72,7 +84,8 @@ def _case(gen: torch.Generator, interval: int) -> dict:
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """Two runs: growth interval 1 (SGD + momentum), and 2 to 4 (Adam, backoff 0.25)."""
+    """Two runs: growth interval 1 (SGD + momentum), and 2 to 4 (Adam); growth factors 4
+    or 8, backoff factors 1/4 or 1/8."""
     return {"cases": [_case(gen, 1), _case(gen, randint(gen, 2, 4))]}
 
 
@@ -92,11 +105,20 @@ def drive(scaler, case: dict) -> dict:
 
     Returns:
         ``{"initial": scale before the first step, "scaled": [scale(loss) per step],
-        "scales": [scale after update() per step], "weights": [parameters after each step]}``.
+        "scales": [scale after update() per step], "weights": [parameters after each step],
+        "not_float": "" or what the first get_scale() that gave no Python float gave}``.
     """
     model = net(case["init"])
     optimizer = _optimizer(model, case["optimizer"])
-    out = {"initial": number(scaler.get_scale()), "scaled": [], "scales": [], "weights": []}
+    out = {"not_float": "", "scaled": [], "scales": [], "weights": []}
+
+    def get_scale() -> float:
+        value = scaler.get_scale()
+        if not isinstance(value, float) and not out["not_float"]:
+            out["not_float"] = kind(value)
+        return number(value)
+
+    out["initial"] = get_scale()
     row, col = case["where"]
     for i, (x, y) in enumerate(zip(case["xs"], case["ys"], strict=True)):
         optimizer.zero_grad(set_to_none=True)
@@ -111,7 +133,7 @@ def drive(scaler, case: dict) -> dict:
             scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
-        out["scales"].append(number(scaler.get_scale()))
+        out["scales"].append(get_scale())
         out["weights"].append(state(model))
     return out
 
@@ -178,6 +200,11 @@ def first_problem(case: dict, got: dict, want: dict) -> str | None:
                 f"{what}, {step}: the scale after update() should be {want['scales'][i]:g} "
                 f"(it was {before:g} before), got {scale:g}"
             )
+    if got.get("not_float", "<missing>"):  # right values: now the type the docstring promises
+        return (
+            f"{what}: get_scale() returned {got.get('not_float', 'nothing recorded')}; the "
+            "docstring promises a Python float (keep the scale as a float, or return float(...))"
+        )
     return None
 
 

@@ -16,10 +16,11 @@ Two things are measured by the checker's code, in the ranks:
 The oracle is one process with plain SGD (same momentum) on the big batch: for each group,
 all ranks' micro-batches of that group concatenated, the mean loss over them. The weights
 must match after every step (float64, to 1e-9), and every optimizer step must have cost
-exactly one all-reduce (the model's one bucket). Case set, on 2 ranks and on 3 ranks: ``k =
-1`` (no accumulation), ``k`` = 2 to 4 with a number of micro-batches not divisible by ``k``
-(the last group holds fewer), and ``k`` larger than the number of micro-batches (a single,
-short group).
+exactly one all-reduce (the model's one bucket), and the function must return the number of
+optimizer steps (an ``int``). Case set, on 2 ranks and on 3 ranks: ``k = 1`` (no
+accumulation), ``k`` = 2 to 4 with a number of micro-batches not divisible by ``k`` (the
+last group holds fewer), ``k`` larger than the number of micro-batches (a single, short
+group), and one micro-batch per rank with ``k`` = 2 to 4 (one step, synced at once).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab05.common import ACCUM_FILE, net, random_state, state
-from ddp_lab.checks.values import max_diff, randint, uniform
+from ddp_lab.checks.values import kind, max_diff, plain, randint, uniform
 from ddp_lab.dist import ddp_bucket_count
 
 #: float64 throughout: DDP's average equals the big batch's mean to rounding.
@@ -71,24 +72,26 @@ def _run_spec(gen: torch.Generator, world: int, n: int, k: int) -> dict:
 
 
 def _runs(gen: torch.Generator, world: int) -> list[dict]:
-    """Three runs of DDP over ``world`` ranks: k = 1, an uneven tail, a single short group."""
+    """Four runs of DDP over ``world`` ranks: k = 1, an uneven tail, a single short group,
+    and a single micro-batch per rank (k > 1: one step, no ``no_sync`` at all)."""
     k = randint(gen, 2, 4)
     uneven = k * randint(gen, 1, 2) + randint(gen, 1, k - 1)  # not divisible by k
     return [
         _run_spec(gen, world, randint(gen, 2, 3), 1),
         _run_spec(gen, world, uneven, k),
         _run_spec(gen, world, randint(gen, 2, 3), 4),  # k larger than the micro-batches
+        _run_spec(gen, world, 1, randint(gen, 2, 4)),  # one micro-batch per rank
     ]
 
 
 def make_inputs(gen: torch.Generator) -> dict:
-    """One torchrun job of 3 ranks (each job costs seconds): three runs of DDP over a group
-    of 2 ranks (rank 2 sits them out), then three over all 3 ranks."""
+    """One torchrun job of 3 ranks (each job costs seconds): four runs of DDP over a group
+    of 2 ranks (rank 2 sits them out), then four over all 3 ranks."""
     return {"cases": [{"world_size": 3, "runs": _runs(gen, 2) + _runs(gen, 3)}]}
 
 
 def visible_inputs(gen: torch.Generator) -> dict:
-    """One job on 2 ranks, three runs."""
+    """One job on 2 ranks, four runs."""
     return {"cases": [{"world_size": 2, "runs": _runs(gen, 2)}]}
 
 
@@ -124,9 +127,10 @@ def _one_run(fn, spec: dict, rank: int, group) -> dict:
 
     optimizer.step = recorded_step
     micro = list(zip(spec["xs"][rank], spec["ys"][rank], strict=True))
-    fn(ddp, optimizer, micro, spec["k"], F.cross_entropy)
+    returned = plain(fn(ddp, optimizer, micro, spec["k"], F.cross_entropy))
     buckets = ddp_bucket_count(ddp)
     out = {
+        "returned": returned if isinstance(returned, (int, float)) else kind(returned),
         "allreduces": per_step,
         "after_last_step": counter[0] - sum(per_step),
         "weights": after,
@@ -237,11 +241,30 @@ def weights_problem(spec: dict, world: int, outs: list[dict]) -> str | None:
     return None
 
 
+def returned_problem(spec: dict, world: int, outs: list[dict]) -> str | None:
+    """What is wrong with the step count the function returned, or None."""
+    steps = len(groups(len(spec["xs"][0]), spec["k"]))
+    for rank, o in enumerate(outs):
+        got = o.get("returned")
+        if isinstance(got, bool) or not isinstance(got, int) or got != steps:
+            said = got if isinstance(got, (int, float)) else got or "nothing"
+            return (
+                f"{run_text(spec, world)}: rank {rank}'s train_accumulated returned {said}; "
+                f"expected {steps}, the number of optimizer steps taken (an int: one per "
+                "group, the last, shorter group included)"
+            )
+    return None
+
+
 def problem(spec: dict, world: int, outs: list[dict]) -> str | None:
     """The first thing wrong with one run on every rank, or None."""
     if len(outs) != world:
         return f"expected the results of {world} ranks, got {len(outs)}"
-    return count_problem(spec, world, outs) or weights_problem(spec, world, outs)
+    return (
+        count_problem(spec, world, outs)
+        or weights_problem(spec, world, outs)
+        or returned_problem(spec, world, outs)
+    )
 
 
 def judge(inputs: dict, outputs: dict) -> str:

@@ -12,7 +12,9 @@ in one torchrun job of 3 ranks (each job costs seconds): three calls over all 3 
 for them without any collective, so a solution that ignores ``group`` deadlocks and the
 watchdog says why). Inside: float32 and float64 gradients, uneven shards, a rank with an
 empty list (3 ranks) or an empty tensor (2 ranks), the L2 norm and the inf-norm, whose
-largest magnitude is a negative entry.
+largest magnitude is a negative entry, and float32 gradients so small (below ``2**-71``)
+that their squares underflow in float32: a norm accumulated in float32 is far off there,
+one accumulated in float64 is right. Every rank must return a 0-d float64 tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ WATCHDOG_S = 30.0
 #: Relative tolerance by the gradients' dtype (the result is accumulated in float64).
 RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 NORMS = {"2": 2.0, "inf": math.inf}
+#: The exponents of the tiny gradients' magnitudes (``2**-TINY``, times ``2**-3 .. 2**3``
+#: per rank and a normal draw): squares of at most about ``2**-142``, subnormal in float32.
+TINY = (76, 80)
 
 
 def _shard(gen: torch.Generator, count: int, dtype: torch.dtype, scale: float) -> list:
@@ -42,12 +47,19 @@ def _shard(gen: torch.Generator, count: int, dtype: torch.dtype, scale: float) -
     ]
 
 
-def _sub(gen: torch.Generator, world: int, dtype, norm: str, empty: str | None) -> dict:
+def _sub(
+    gen: torch.Generator, world: int, dtype, norm: str, empty: str | None, tiny: bool = False
+) -> dict:
     """One call on every rank: rank r holds 1 to 3 tensors at its own magnitude; with
     ``empty="list"`` one rank holds none, with ``"tensor"`` one rank's list also holds a
-    tensor with no element. For the inf-norm the largest magnitude is a negative entry."""
+    tensor with no element. For the inf-norm the largest magnitude is a negative entry.
+    With ``tiny``, every magnitude is below ``2**-71`` (:data:`TINY`): squared in float32
+    the entries round to 0 or to a few bits of a subnormal, so a float32 sum of squares is
+    far off while float64 holds every square exactly."""
+    base = 2.0 ** -randint(gen, *TINY) if tiny else 1.0
     shards = [
-        _shard(gen, randint(gen, 1, 3), dtype, 2.0 ** randint(gen, -3, 3)) for _ in range(world)
+        _shard(gen, randint(gen, 1, 3), dtype, base * 2.0 ** randint(gen, -3, 3))
+        for _ in range(world)
     ]
     if empty == "list":
         shards[randint(gen, 0, world - 1)] = []
@@ -76,7 +88,7 @@ def make_inputs(gen: torch.Generator) -> dict:
                     _sub(gen, 3, torch.float64, "2", "list"),
                     _sub(gen, 3, torch.float32, "inf", "list"),
                     _sub(gen, 3, torch.float64, "2", None),
-                    _sub(gen, 2, torch.float32, "2", None),
+                    _sub(gen, 2, torch.float32, "2", None, tiny=True),
                     _sub(gen, 2, torch.float64, "inf", None),
                     _sub(gen, 2, torch.float32, "2", "tensor"),
                 ],
@@ -94,7 +106,7 @@ def visible_inputs(gen: torch.Generator) -> dict:
                 "world_size": 3,
                 "subs": [
                     _sub(gen, 3, torch.float64, "2", "list"),
-                    _sub(gen, 2, torch.float32, "2", "tensor"),
+                    _sub(gen, 2, torch.float32, "2", "tensor", tiny=True),
                     _sub(gen, 2, torch.float64, "inf", None),
                 ],
             }
@@ -165,12 +177,25 @@ def sub_problem(sub: dict, results: list) -> str | None:
     for rank, (value, raw) in enumerate(zip(values, results, strict=True)):
         if not abs(value - want) <= rtol * want:
             said = f"{value:.10g}" if value == value else kind(raw)
+            if isinstance(raw, torch.Tensor) and raw.dtype != torch.float64:
+                said += f" (a {raw.dtype} tensor; the docstring promises a 0-d float64 tensor)"
             return (
                 f"{what}: rank {rank} returned {said}; expected {want:.10g}, the norm of all "
                 "ranks' gradients together"
             )
     if len(set(values)) > 1:
         return f"{what}: the ranks returned different values {values}; every rank needs the same"
+    for rank, raw in enumerate(results):  # right values: now the type the docstring promises
+        if not (isinstance(raw, torch.Tensor) and raw.dtype == torch.float64 and raw.dim() == 0):
+            said = (
+                f"a {raw.dtype} tensor of shape {tuple(raw.shape)}"
+                if isinstance(raw, torch.Tensor)
+                else kind(raw)
+            )
+            return (
+                f"{what}: rank {rank} returned the right value as {said}; the docstring "
+                "promises a 0-d float64 tensor (torch.float64, shape ())"
+            )
     return None
 
 
