@@ -56,13 +56,13 @@ format: $(STAMP)  ## ruff format and autofix
 # In a SLURM allocation of 2+ nodes it runs across them (srun, one torchrun agent per node)
 # into results/lab3-slurm-<jobid>/; cluster/lab3.sbatch submits exactly this.
 lab3: $(STAMP)  ## lab 3's DDP workload on every GPU (or 2 CPU processes) into results/lab3/
-	$(PY) -m ddp_lab.lab3 $(LAB3_ARGS)
+	$(PY) -m ddp_lab.workloads.lab3 $(LAB3_ARGS)
 
 lab5: $(STAMP)  ## lab 5: fp32 vs bf16 vs fp16+scaler, accumulation 1 vs 4, into results/lab5/
-	$(PY) -m ddp_lab.lab5 $(LAB5_ARGS)
+	$(PY) -m ddp_lab.workloads.lab5 $(LAB5_ARGS)
 
 lab6: $(STAMP)  ## lab 6: a clean run vs one with a fault under --max-restarts=3, into results/lab6/
-	$(PY) -m ddp_lab.lab6 $(LAB6_ARGS)
+	$(PY) -m ddp_lab.workloads.lab6 $(LAB6_ARGS)
 
 bench: $(STAMP)  ## trainer vs plain PyTorch DDP (interleaved pairs), comm share, ring vs gloo (results/bench/)
 	$(PY) -m ddp_lab.bench $(BENCH_ARGS)

@@ -1,5 +1,5 @@
-"""``make lab3`` on a SLURM cluster (cluster/lab3.sbatch, ddp_lab.lab3), run on this machine:
-the real sbatch script, with bash, under the ``SLURM_*`` variables of a 2-node job and with
+"""``make lab3`` on a SLURM cluster (cluster/lab3.sbatch, ddp_lab.workloads.lab3), run on this
+machine: the real sbatch script, with bash, under the ``SLURM_*`` variables of a 2-node job and with
 stand-ins for ``srun``, ``scontrol`` and ``nvidia-smi`` first on ``PATH``.
 
 The stand-ins (written into a temporary ``bin/``; each logs its call to ``$STANDIN_LOG``):
@@ -33,8 +33,8 @@ import torch
 from _harness import ROOT, new_leftovers, run_tree, trainer_command
 from test_data import write_cifar_fixture
 
-from ddp_lab import lab3
 from ddp_lab.errors import UsageError
+from ddp_lab.workloads import lab3
 
 SRUN = r"""#!/bin/bash
 # srun stand-in: one copy of the command per node, in parallel, then wait for all.

@@ -84,7 +84,7 @@ def test_the_kit_holds_what_students_need_and_nothing_of_the_instructors(built):
         "nbgrader_config.py",
         "LICENSE",
         "ddp_lab/train.py",
-        "ddp_lab/lab3.py",
+        "ddp_lab/workloads/lab3.py",
         "ddp_lab/launch/__init__.py",
         "ddp_lab/checks/runner.py",
         "cluster/lab3.sbatch",

@@ -11,13 +11,13 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from ddp_lab import lab3, lab5, lab6
 from ddp_lab.errors import UsageError
-from ddp_lab.figures.lab5_runs import lab5_runs
-from ddp_lab.figures.lab6_restart import restart_timeline
-from ddp_lab.lab5 import runs
-from ddp_lab.lab6 import detection_time, restart_phases
-from ddp_lab.labrun import dataset_for, plan_hardware, train, weight_difference
+from ddp_lab.figures.lab05_runs import lab5_runs
+from ddp_lab.figures.lab06_restart import restart_timeline
+from ddp_lab.workloads import lab3, lab5, lab6
+from ddp_lab.workloads.lab5 import runs
+from ddp_lab.workloads.lab6 import detection_time, restart_phases
+from ddp_lab.workloads.labrun import dataset_for, plan_hardware, train, weight_difference
 
 
 @pytest.mark.parametrize("module", [lab3, lab5, lab6])

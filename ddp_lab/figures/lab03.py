@@ -308,13 +308,14 @@ def uneven_steps(steps: Sequence[int] = (6, 5)) -> Figure:
 
 
 def scaling(processes: Sequence[int], samples_per_s: Sequence[float], title: str) -> Figure:
-    """Throughput and efficiency against the number of processes (``ddp_lab.figures.scaling``).
+    """Throughput and efficiency against the number of processes
+    (``ddp_lab.figures.lab03_scaling``).
 
     Example:
         >>> len(scaling([1, 2], [100.0, 150.0], "test").axes)
         2
     """
-    from ddp_lab.figures.scaling import plot_scaling
+    from ddp_lab.figures.lab03_scaling import plot_scaling
 
     fig = plot_scaling(processes, samples_per_s, title=title)
     plt.close(fig)

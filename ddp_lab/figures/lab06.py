@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
 
-from ddp_lab.figures.lab6_restart import restart_timeline
+from ddp_lab.figures.lab06_restart import restart_timeline
 from ddp_lab.figures.style import COLORS, GREY
 from ddp_lab.figures.style import arrow as _arrow
 from ddp_lab.figures.style import box as _box

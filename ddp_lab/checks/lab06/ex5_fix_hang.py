@@ -97,8 +97,8 @@ def _all_back(rank: int, world: int, run: int) -> None:
     would pair with the slow rank's leftover ones. A rank still stuck in a collective is
     ended by its watchdog first."""
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"ddp_lab/lab06/ex4/{run}/{rank}", "1")
-    keys = [f"ddp_lab/lab06/ex4/{run}/{r}" for r in range(world)]
+    store.set(f"ddp_lab/lab06/ex5/{run}/{rank}", "1")
+    keys = [f"ddp_lab/lab06/ex5/{run}/{r}" for r in range(world)]
     store.wait(keys, datetime.timedelta(seconds=3 * CALL_S))
 
 

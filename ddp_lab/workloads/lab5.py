@@ -19,7 +19,7 @@ and, under ``--out`` (default ``results/lab5``)::
 
 On a CPU without fast fp16 kernels fp16 is correct but slow (the trainer says so). Run it as
 ``make lab5`` (extra flags: ``make lab5 LAB5_ARGS="--max-steps 100"``) or
-``python -m ddp_lab.lab5 --help``.
+``python -m ddp_lab.workloads.lab5 --help``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import sys
 
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.labrun import (
+from ddp_lab.workloads.labrun import (
     dataset_for,
     lab_parser,
     plan_hardware,
@@ -40,7 +40,7 @@ from ddp_lab.labrun import (
     weight_difference,
 )
 
-PROG = "ddp_lab.lab5"
+PROG = "ddp_lab.workloads.lab5"
 
 
 def runs(batch: int, accum: int) -> dict[str, list[str]]:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with open(os.path.join(args.out, "runs.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    from ddp_lab.figures.lab5_runs import lab5_runs
+    from ddp_lab.figures.lab05_runs import lab5_runs
 
     fig = lab5_runs(
         curves,

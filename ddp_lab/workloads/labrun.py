@@ -1,8 +1,9 @@
 """What every ``make labN`` run shares: the hardware plan, the common flags, one trainer run
 through torchrun, and the comparison of two runs' weights.
 
-``ddp_lab.lab3`` (the scaling sweep), ``ddp_lab.lab5`` (number formats and accumulation) and
-``ddp_lab.lab6`` (a fault and its restart) each add their own flags and runs on top.
+``ddp_lab.workloads.lab3`` (the scaling sweep), ``ddp_lab.workloads.lab5`` (number formats
+and accumulation) and ``ddp_lab.workloads.lab6`` (a fault and its restart) each add their own
+flags and runs on top.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ variables of the allocation run (all optional):
     DDP_LAB_SRUN_ARGS       extra srun options (e.g. --overlap, or a partition's needs)
 
 Run it as ``make lab3`` (extra flags: ``make lab3 LAB3_ARGS="--model resnet18"``) or
-``python -m ddp_lab.lab3 --help``.
+``python -m ddp_lab.workloads.lab3 --help``.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ import torch
 from ddp_lab import options as train_options
 from ddp_lab.data import choose_dataset, cifar10_present
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.labrun import lab_parser, plan_hardware, read_summary, train
+from ddp_lab.workloads.labrun import lab_parser, plan_hardware, read_summary, train
 
-PROG = "ddp_lab.lab3"
+PROG = "ddp_lab.workloads.lab3"
 #: Training images of CIFAR-10.
 CIFAR10_TRAIN = 50_000
 #: Rendezvous ports of SLURM jobs: below Linux's ephemeral range (32768-60999), so that no
@@ -451,7 +451,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     }
     with open(os.path.join(out_dir, "scaling.json"), "w") as f:
         json.dump(result, f, indent=2)
-    from ddp_lab.figures.scaling import plot_scaling
+    from ddp_lab.figures.lab03_scaling import plot_scaling
 
     plot_scaling(
         [r["processes"] for r in records],

@@ -11,7 +11,7 @@ Under ``--out`` (default ``results/lab6``)::
     timeline.png         the restart timeline
 
 Run it as ``make lab6`` (extra flags: ``make lab6 LAB6_ARGS="--fault raise"``) or
-``python -m ddp_lab.lab6 --help``.
+``python -m ddp_lab.workloads.lab6 --help``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 import sys
 
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.labrun import (
+from ddp_lab.workloads.labrun import (
     dataset_for,
     lab_parser,
     plan_hardware,
@@ -33,7 +33,7 @@ from ddp_lab.labrun import (
     weight_difference,
 )
 
-PROG = "ddp_lab.lab6"
+PROG = "ddp_lab.workloads.lab6"
 
 #: torchrun's (glog-style) log line when it sees a worker fail: ``E1130 17:10:46.960000 ...``.
 DETECTED = re.compile(r"^[EWI](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) .*failed \(exitcode")
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with open(os.path.join(args.out, "comparison.json"), "w") as f:
         json.dump(result, f, indent=2)
-    from ddp_lab.figures.lab6_restart import restart_timeline
+    from ddp_lab.figures.lab06_restart import restart_timeline
 
     where = "GPU" if gpu else "CPU"
     fig = restart_timeline(
