@@ -488,6 +488,23 @@ def test_grad_scaler_skips_an_inf_step_and_unscale_twice_raises():
     assert torch.equal(p.detach(), torch.ones(2)), "a NaN step is skipped"
 
 
+def test_autocast_keeps_float32_grads_and_unscale_refuses_float16_ones():
+    """Section 4: under ``torch.autocast`` the parameters and their ``.grad`` stay float32
+    (the float16 copies are not leaves); ``unscale_`` refuses float16 gradients."""
+    layer = nn.Linear(4, 3)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = layer(torch.randn(2, 4))
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32
+    half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(half.float().sum()).backward()
+    assert half.grad.dtype == torch.float16
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(torch.optim.SGD([half], lr=1.0))
+
+
 def test_a_disabled_grad_scaler_passes_the_loss_through_and_steps_plainly():
     """A disabled scaler (bfloat16): ``scale`` returns the loss itself, ``unscale_`` and
     ``update`` do nothing, ``step`` is ``optimizer.step()``, the scale reads 1.0."""

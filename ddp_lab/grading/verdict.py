@@ -90,13 +90,14 @@ def _run_student(
     workdir.mkdir()
     make_inputs = extra.inputs if extra and extra.inputs else ex.make_inputs
     inputs = make_inputs(torch.Generator().manual_seed(seed))
-    sealed = {SEALED: inputs[SEALED]} if SEALED in inputs else {}
     inputs_path = private / f"{ex.grade_id}-inputs.pt"
-    torch.save(unsealed(inputs), inputs_path)  # the student's copy: without the sealed part
+    torch.save(unsealed(inputs), inputs_path)  # what the student's process gets a copy of
     inputs_sha256 = sha256(inputs_path)  # before any student code runs
-    sealed_path = private / f"{ex.grade_id}-sealed.pt"
-    if sealed:
-        torch.save(sealed, sealed_path)
+    sealed = {}  # the answer known by construction: the judge's alone
+    if SEALED in inputs:
+        path = private / f"{ex.grade_id}-sealed.pt"
+        torch.save({SEALED: inputs[SEALED]}, path)
+        sealed = {"sealed": str(path), "sealed_sha256": sha256(path)}
     shutil.copy(inputs_path, workdir / INPUTS_FILE)
     write_cells(workdir, sources, ex.cells)
     for name, text in (extra.files() if extra and extra.files else {}).items():
@@ -138,7 +139,7 @@ def _run_student(
         "grade_id": ex.grade_id,
         "inputs": str(inputs_path),
         "inputs_sha256": inputs_sha256,
-        **({"sealed": str(sealed_path), "sealed_sha256": sha256(sealed_path)} if sealed else {}),
+        **sealed,
         "outputs": str(outputs_path),
         "outputs_sha256": sha256(outputs_path),
     }, ""

@@ -4,6 +4,7 @@ follow it)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ddp_lab.answers import Mistake
@@ -14,6 +15,7 @@ CELL = "ex4_diagnose_hang"
 _NOTEBOOK = Path(__file__).resolve().parents[3] / "solutions" / LAB / f"{LAB}.ipynb"
 
 
+@functools.cache
 def _solution() -> str:
     source = solution_sources(load(_NOTEBOOK))[CELL]
     return "".join(line for line in source.splitlines(keepends=True) if "### " not in line)

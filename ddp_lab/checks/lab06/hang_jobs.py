@@ -74,10 +74,7 @@ def _logging_steps(spec: dict) -> list[tuple[int, int]]:
 
 def draw(gen: torch.Generator, world: int, cause: str) -> tuple[dict, dict]:
     """One job: (spec, truth). World 2 draws the odd rank from {0, 1}, world 3 from {1, 2}."""
-    b, le = randint(gen, 2, 3), randint(gen, 1, 3)
-    steps = randint(gen, 3, 5)
-    if steps < le:
-        le = steps
+    b, le, steps = randint(gen, 2, 3), randint(gen, 1, 3), randint(gen, 3, 5)
     spec = {
         "world_size": world,
         "features": randint(gen, 2, 5),
