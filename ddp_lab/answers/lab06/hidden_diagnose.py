@@ -41,14 +41,6 @@ def _uncounted_logs(job: dict, truth: dict) -> int | None:
 
 _READINGS = (
     (
-        lambda job, got, t: (
-            got.get("cause") == t["cause"]
-            and got.get("rank") == t["rank"]
-            and got.get("collective") == t["collective"] + 1
-        ),
-        "positions count from 0: SequenceNumber=0 is a rank's first collective on the group",
-    ),
-    (
         lambda job, got, t: t["cause"] in ("skip", "uneven") and got.get("cause") != t["cause"],
         "the first error is not the first divergence: a rank that skips a step, or takes one "
         "step more, pairs its all-reduces with the others' next ones (same shape and dtype, so "
@@ -61,6 +53,14 @@ _READINGS = (
         "that position is where DETAIL noticed, not where the sequences parted: with a skipped "
         "or an extra step they part at that step; count the collectives every rank calls "
         "before it",
+    ),
+    (
+        lambda job, got, t: (
+            got.get("cause") == t["cause"]
+            and got.get("rank") == t["rank"]
+            and got.get("collective") == t["collective"] + 1
+        ),
+        "positions count from 0: SequenceNumber=0 is a rank's first collective on the group",
     ),
     (
         lambda job, got, t: (
