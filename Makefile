@@ -16,7 +16,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format lab3 lab5 lab6 bench lab time-labs release student-kit autograde feedback grades sample-class clean
+.PHONY: help install test test-fast lint format lab3 lab5 lab6 lab8 bench lab time-labs release student-kit autograde feedback grades sample-class clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -63,6 +63,9 @@ lab5: $(STAMP)  ## lab 5: fp32 vs bf16 vs fp16+scaler, accumulation 1 vs 4, into
 
 lab6: $(STAMP)  ## lab 6: a clean run vs one with a fault under --max-restarts=3, into results/lab6/
 	$(PY) -m ddp_lab.workloads.lab6 $(LAB6_ARGS)
+
+lab8: $(STAMP)  ## lab 8: a profiled DDP run, every rank's trace and a timeline, into results/lab8/
+	$(PY) -m ddp_lab.workloads.lab8 $(LAB8_ARGS)
 
 bench: $(STAMP)  ## trainer vs plain PyTorch DDP (interleaved pairs), comm share, ring vs gloo (results/bench/)
 	$(PY) -m ddp_lab.bench $(BENCH_ARGS)

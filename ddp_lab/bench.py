@@ -62,13 +62,16 @@ def interleaved(
 ) -> list[tuple[int, int, str]]:
     """The launch order ``(pair, processes, kind)``: round after round, each process count
     in turn, each a (reference, trainer) pair; so every ratio, and the speed-up between
-    process counts, compares launches minutes apart at most.
+    process counts, compares launches minutes apart at most. Round ``i`` starts with kind
+    ``i mod len(kinds)``: no kind always runs first or last, so that a drift within a
+    round does not always fall on the same kind.
 
     Example:
-        >>> interleaved(2, [1, 2])[:4]
-        [(0, 1, 'reference'), (0, 1, 'trainer'), (0, 2, 'reference'), (0, 2, 'trainer')]
+        >>> interleaved(2, [1, 2])[4:]
+        [(1, 1, 'trainer'), (1, 1, 'reference'), (1, 2, 'trainer'), (1, 2, 'reference')]
     """
-    return [(i, n, kind) for i in range(pairs) for n in nprocs for kind in kinds]
+    turns = [tuple(kinds[i % len(kinds) :]) + tuple(kinds[: i % len(kinds)]) for i in range(pairs)]
+    return [(i, n, kind) for i in range(pairs) for n in nprocs for kind in turns[i]]
 
 
 def ratio_stats(numerator: Sequence[float], denominator: Sequence[float]) -> dict:

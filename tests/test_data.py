@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from ddp_lab import data as data_mod
 from ddp_lab.data import (
     CIFAR10_FOLDER,
     SyntheticCIFAR,
@@ -67,6 +69,27 @@ def test_synthetic_set_is_seeded_and_cifar_shaped():
     assert torch.equal(xa, b[5][0]) and ya == b[5][1]
     assert not torch.equal(xa, c[5][0])
     assert not torch.equal(a[5][0], SyntheticCIFAR(20, "test", seed=1)[5][0])
+
+
+@pytest.mark.timeout(60)
+def test_synthetic_set_held_in_memory_has_the_bytes_generated_on_access(monkeypatch):
+    """A set up to MEMORY_BYTES is generated when built (the trainer's loader then reads it as
+    fast as a TensorDataset); its bytes are those generated per sample on access, and the
+    same as before it was held (the digest of the first 64 training samples, seed 0)."""
+    held = SyntheticCIFAR(300, "test", seed=4)
+    monkeypatch.setattr(data_mod, "MEMORY_BYTES", 0)
+    lazy = SyntheticCIFAR(300, "test", seed=4)
+    assert held._images is not None and lazy._images is None
+    for i in (0, 1, 150, 299):
+        assert torch.equal(held[i][0], lazy[i][0]) and held[i][1] == lazy[i][1]
+    x, _ = held[7]
+    x.add_(1.0)  # a transform that works in place changes its copy, not the set
+    assert torch.equal(held[7][0], lazy[7][0])
+    monkeypatch.undo()
+    digest = hashlib.sha256()
+    for x, y in (SyntheticCIFAR(64)[i] for i in range(64)):
+        digest.update(x.numpy().tobytes() + bytes([y]))
+    assert digest.hexdigest()[:16] == "e5260ac01ac75b38"
 
 
 @pytest.mark.timeout(120)

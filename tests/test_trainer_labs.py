@@ -1,7 +1,7 @@
-"""``make lab3``, ``make lab5`` and ``make lab6``: the pieces that do not need processes (the
-shared flags, the run plans, the weight comparison, torchrun's detection time, the restart
-phases, the figures). The drivers themselves run the
-trainer, whose properties the other trainer tests prove."""
+"""``make lab3``, ``make lab5``, ``make lab6`` and ``make lab8``: the pieces that do not need
+processes (the shared flags, the run plans, the weight comparison, torchrun's detection time,
+the restart phases, the figures). The drivers themselves run the trainer, whose properties
+the other trainer tests prove."""
 
 from __future__ import annotations
 
@@ -14,18 +14,25 @@ from matplotlib.figure import Figure
 from ddp_lab.errors import UsageError
 from ddp_lab.figures.lab05_runs import lab5_runs
 from ddp_lab.figures.lab06_restart import restart_timeline
-from ddp_lab.workloads import lab3, lab5, lab6
+from ddp_lab.workloads import lab3, lab5, lab6, lab8
 from ddp_lab.workloads.lab5 import runs
 from ddp_lab.workloads.lab6 import detection_time, restart_phases
 from ddp_lab.workloads.labrun import dataset_for, plan_hardware, train, weight_difference
 
 
-@pytest.mark.parametrize("module", [lab3, lab5, lab6])
+@pytest.mark.parametrize("module", [lab3, lab5, lab6, lab8])
 def test_every_lab_run_has_the_shared_flags(module):
     args = module.build_parser().parse_args(["--max-procs", "1", "--dataset", "synthetic"])
     assert (args.data_dir, args.train_size, args.timeout) == ("data", 10_000, 1800)
     assert dataset_for(args) == ("synthetic", "--dataset synthetic asked for")
     assert plan_hardware(args.max_procs)[0] == [1]
+
+
+def test_lab8_needs_two_processes_and_a_schedule(capsys):
+    for argv, said in ((["--max-procs", "1"], "2 or more"), (["--profile-steps", "1,x"], "WAIT")):
+        with pytest.raises(SystemExit):
+            lab8.main([*argv, "--dataset", "synthetic"])
+        assert said in capsys.readouterr().err
 
 
 def test_weight_difference_says_identical_or_how_far(tmp_path):

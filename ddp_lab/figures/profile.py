@@ -19,9 +19,10 @@ from matplotlib.figure import Figure
 from ddp_lab.figures.style import COLORS
 from ddp_lab.profiling import PHASES, PREFIX
 
-__all__ = ["load_events", "step_timeline"]
+__all__ = ["COLLECTIVE_PREFIXES", "load_events", "step_timeline"]
 
-_COMM = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
+#: name prefixes of the backends' collective events (gloo on CPU, NCCL kernels on CUDA)
+COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -60,7 +61,7 @@ def step_timeline(paths: Sequence[str | Path], step: int | None = None, title: s
             if name.startswith(PREFIX) and name[len(PREFIX) :] in colors:
                 phase = name[len(PREFIX) :]
                 ax.barh(y + 0.5, width, left=start, height=0.8, color=colors[phase], label=phase)
-            elif name.startswith(_COMM):
+            elif name.startswith(COLLECTIVE_PREFIXES):
                 ax.barh(y - 0.5, width, left=start, height=0.8, color="0.2", label="collective")
         where = ax.get_yaxis_transform()
         ax.text(-0.01, y, f"rank {rank}", ha="right", va="center", transform=where)

@@ -10,71 +10,12 @@ the grader in ``tests/test_mistakes.py``; ``tests/test_lab07.py`` runs it on tor
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab07.references import FILES
 
-_ASSUMES_BIAS = """%%writefile tp.py
-import torch
-import torch.distributed as dist
-from torch import nn
-
-
-def my_features(n, group):
-    return torch.tensor_split(torch.arange(n), dist.get_world_size(group))[dist.get_rank(group)]
-
-
-class EnterParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class LeaveParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear, group=None):
-        super().__init__()
-        self.group = group
-        rows = my_features(linear.out_features, group)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = None
-        if linear.bias is not None:
-            self.bias = nn.Parameter(linear.bias.detach()[rows].clone())
-
-    def forward(self, x):
-        x = EnterParallel.apply(x, self.group)
-        return nn.functional.linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear, group=None):
-        super().__init__()
-        self.group = group
-        cols = my_features(linear.in_features, group)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = None
-        if linear.bias is not None:
-            self.bias = nn.Parameter(linear.bias.detach().clone())
-
-    def forward(self, x):
-        y = LeaveParallel.apply(x @ self.weight.t(), self.group)
-        return y + self.bias  # the bias once, after the sum: but is there one?
-"""
+_RIGHT = "        return y if self.bias is None else y + self.bias\n"
+_WRONG = "        return y + self.bias  # the bias once, after the sum: but is there one?\n"
+assert FILES["tp.py"].count(_RIGHT) == 1, "the reference's row layer changed: rewrite this"
+_ASSUMES_BIAS = "%%writefile tp.py\n" + FILES["tp.py"].replace(_RIGHT, _WRONG)
 
 TP_MISTAKES = [
     Mistake(
