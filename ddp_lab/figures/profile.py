@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from ddp_lab.figures.style import COLORS
 from ddp_lab.profiling import PHASES, PREFIX
 
-__all__ = ["COLLECTIVE_PREFIXES", "load_events", "step_timeline"]
+__all__ = ["COLLECTIVE_PREFIXES", "load_events", "step_marks", "step_timeline"]
 
 #: name prefixes of the backends' collective events (gloo on CPU, NCCL kernels on CUDA)
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
@@ -32,10 +32,16 @@ def load_events(path: str | Path) -> list[dict]:
     return [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
 
 
-def _step(events: list[dict], step: int | None) -> tuple[float, float]:
-    marks = sorted(
+def step_marks(events: list[dict]) -> list[dict]:
+    """The profiler's ``ProfilerStep#k`` ranges of a trace, one per recorded step, in time
+    order."""
+    return sorted(
         (e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
     )
+
+
+def _step(events: list[dict], step: int | None) -> tuple[float, float]:
+    marks = step_marks(events)
     if not marks:
         raise ValueError("no ProfilerStep in the trace: was it written by --profile?")
     mark = marks[-1] if step is None else marks[step]

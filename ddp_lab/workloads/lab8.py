@@ -21,14 +21,14 @@ or ``python -m ddp_lab.workloads.lab8 --help``.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.figures.profile import COLLECTIVE_PREFIXES, load_events, step_timeline
+from ddp_lab.figures.profile import COLLECTIVE_PREFIXES, load_events, step_marks, step_timeline
 from ddp_lab.profiling import DEFAULT_SCHEDULE, PHASES, PREFIX, parse_schedule, trace_path
 from ddp_lab.workloads.labrun import dataset_for, lab_parser, plan_hardware, read_summary, train
 
@@ -46,9 +46,8 @@ def phase_times(events: list[dict]) -> list[dict]:
         >>> phase_times(ev)[0]["forward_ms"], phase_times(ev)[0]["collectives_ms"]
         (4.0, 2.5)
     """
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=_ts)
     out = []
-    for mark in steps:
+    for mark in step_marks(events):
         t0, t1 = mark["ts"], mark["ts"] + mark["dur"]
         inside = [e for e in events if t0 <= e["ts"] < t1]
         row = {"step": int(mark["name"].split("#")[1]), "step_ms": mark["dur"] / 1e3}
@@ -58,10 +57,6 @@ def phase_times(events: list[dict]) -> list[dict]:
         row["collectives_ms"] = sum(comm) / 1e3
         out.append(row)
     return out
-
-
-def _ts(event: dict) -> float:
-    return event["ts"]
 
 
 def build_parser():
@@ -97,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: {hw_reason}; {nproc} process(es)", flush=True)
     print(f"{PROG}: dataset {dataset}: {data_reason}", flush=True)
     run, traces = os.path.join(args.out, "run"), os.path.join(args.out, "trace")
-    for r in range(64):  # no trace of an earlier, larger run may stay next to this one's
-        Path(trace_path(traces, r)).unlink(missing_ok=True)
+    for old in glob.glob(trace_path(traces, "*")):  # an earlier, larger run's traces
+        os.remove(old)
     flags = ["--dataset", dataset, "--data-dir", args.data_dir, "--model", model]
     flags += ["--batch-size", str(batch), "--train-size", str(args.train_size)]
     flags += ["--max-steps", str(steps), "--backend", backend, "--no-progress", "--seed", "0"]

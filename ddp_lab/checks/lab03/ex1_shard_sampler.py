@@ -192,7 +192,7 @@ def _property_problem(case: dict, got: dict) -> str | None:
     seen = {i for shard in shards for i in shard}
     total = sum(len(s) for s in shards)
     if total >= n and len(seen) < n:
-        missing = sorted(set(range(n)) - set(seen))
+        missing = sorted(set(range(n)) - seen)
         return f"{at}: nobody read samples {first(missing)} (padding must not replace them)"
     if got["again"] != got["epoch2"]:
         return (
