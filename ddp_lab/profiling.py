@@ -32,6 +32,8 @@ from torch.profiler import ProfilerActivity, record_function, schedule
 PREFIX = "ddp_lab: "
 PHASES = ("data", "forward", "backward", "optimizer")
 BUCKET = PREFIX + "all_reduce bucket "
+#: name prefixes of the backends' collective events (gloo on CPU, NCCL kernels on CUDA)
+COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
 #: Default schedule: skip 2 steps (start-up), warm up 1, keep 3.
 DEFAULT_SCHEDULE = (2, 1, 3)
 

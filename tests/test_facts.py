@@ -1030,3 +1030,67 @@ def test_the_collectives_the_lab_names_exist_and_want_equal_sizes():
     for name in ("reduce_scatter_single", "all_gather_single"):
         doc = " ".join((inspect.unwrap(getattr(dist, name)).__doc__ or "").split())
         assert "same size" in doc, name
+
+
+# ===============================================================================================
+# Lab 8: profiling, compression, FLOPs
+# ===============================================================================================
+
+LAB08_NOTEBOOK = ROOT / "solutions/lab08_profiling/lab08_profiling.ipynb"
+
+
+def _lab08_text() -> str:
+    cells = json.loads(LAB08_NOTEBOOK.read_text())["cells"]
+    lines = "\n".join("".join(c["source"]) for c in cells).splitlines()
+    return " ".join(" ".join(line.removeprefix(">") for line in lines).split())
+
+
+def test_autocast_leaves_ddp_buckets_in_float32(world_of_one):
+    """The seeds box of lab08: under autocast (bf16 on the CPU) the parameters and their
+    gradients stay float32, so DDP's buckets, what it all-reduces, are float32: autocast
+    does not shrink the bytes a step sends; a compression hook does."""
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    sent = []
+
+    def hook(state, bucket):
+        sent.append(bucket.buffer().dtype)
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, hook)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 8))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert sent and set(sent) == {torch.float32}
+    assert "autocast does not shrink what DDP sends" in _lab08_text()
+
+
+def test_ddp_first_bucket_and_flight_recorder_names_as_lab08_states():
+    """The seeds box and "On real GPUs" of lab08: the first bucket's 1 MiB cap and the flight
+    recorder's buffer variables (``torch/distributed/distributed_c10d.py``)."""
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    source = (TORCH / "distributed" / "distributed_c10d.py").read_text()
+    assert '"TORCH_FR_BUFFER_SIZE"' in source and '"TORCH_NCCL_TRACE_BUFFER_SIZE"' in source
+    text = _lab08_text()
+    assert "dist._DEFAULT_FIRST_BUCKET_BYTES" in text and "TORCH_NCCL_TRACE_BUFFER_SIZE" in text
+
+
+def test_flop_counter_counts_two_per_multiply_add_and_only_needed_gradients():
+    """Lab 8 section 4: ``FlopCounterMode`` counts ``2 m k n`` per matrix product, nothing for
+    the bias or an activation, and a backward computes the input's gradient only when
+    something before the layer needs one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    layer = nn.Linear(3, 5)
+    for needs, factor in ((False, 1), (True, 2)):
+        x = torch.randn(4, 3, requires_grad=needs)
+        with FlopCounterMode(display=False) as fwd:
+            y = torch.relu(layer(x)).sum()
+        with FlopCounterMode(display=False) as bwd:
+            y.backward()
+        assert fwd.get_total_flops() == 2 * 4 * 3 * 5
+        assert bwd.get_total_flops() == factor * 2 * 4 * 3 * 5
+    assert "`2 m k n` FLOPs" in _lab08_text()

@@ -17,12 +17,9 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from ddp_lab.figures.style import COLORS
-from ddp_lab.profiling import PHASES, PREFIX
+from ddp_lab.profiling import COLLECTIVE_PREFIXES, PHASES, PREFIX
 
 __all__ = ["COLLECTIVE_PREFIXES", "load_events", "step_marks", "step_timeline"]
-
-#: name prefixes of the backends' collective events (gloo on CPU, NCCL kernels on CUDA)
-COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
 
 
 def load_events(path: str | Path) -> list[dict]:

@@ -156,7 +156,7 @@ def _reference_functions(root: Path) -> dict[str, str]:
     answers' reference modules (private helpers such as ``_rank_and_size`` are plumbing
     that any distributed code shares, not an exercise's answer)."""
     out = {}
-    for path in sorted((root / "ddp_lab" / "answers").rglob("references.py")):
+    for path in sorted((root / "ddp_lab" / "answers").rglob("references*.py")):
         text = path.read_text()
         for node in ast.parse(text).body:
             public = not node.name.startswith("_") if hasattr(node, "name") else False

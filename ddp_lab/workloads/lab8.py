@@ -28,8 +28,15 @@ import statistics
 import sys
 
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.figures.profile import COLLECTIVE_PREFIXES, load_events, step_marks, step_timeline
-from ddp_lab.profiling import DEFAULT_SCHEDULE, PHASES, PREFIX, parse_schedule, trace_path
+from ddp_lab.figures.profile import load_events, step_marks, step_timeline
+from ddp_lab.profiling import (
+    COLLECTIVE_PREFIXES,
+    DEFAULT_SCHEDULE,
+    PHASES,
+    PREFIX,
+    parse_schedule,
+    trace_path,
+)
 from ddp_lab.workloads.labrun import dataset_for, lab_parser, plan_hardware, read_summary, train
 
 PROG = "ddp_lab.workloads.lab8"
