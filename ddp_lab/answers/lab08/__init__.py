@@ -3,8 +3,9 @@ additions, mistakes, the notebook's sections.
 
 Per exercise ``N``: ``references_exN.py`` (the reference answer), ``exN.py`` (``HIDDEN``,
 ``MISTAKES`` whose first entry is the sample class's, ``MORE_MISTAKES`` for the distributed
-exercise 3, ``SOLUTION_CELL``) and ``exN_cells.py`` (the notebook section, ``CELLS``); ``notebook.py`` builds the solution
-notebook from them (``python -m ddp_lab.answers.lab08.notebook``).
+exercise 3, ``SOLUTION_CELL``) and ``exN_cells.py`` (the notebook section, ``CELLS``);
+``notebook.py`` builds the solution notebook from them
+(``python -m ddp_lab.answers.lab08.notebook``).
 
 Not in the student kit (see :mod:`ddp_lab.answers`).
 """

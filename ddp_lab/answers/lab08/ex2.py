@@ -165,8 +165,7 @@ _CONTRACT = '''def find_straggler(traces):
 
 SOLUTION_CELL = (
     "import statistics\n\n"
-    "from ddp_lab.profiling import COLLECTIVE_PREFIXES\n"
-    "from ddp_lab.profiling import PHASES\n\n\n"
+    "from ddp_lab.profiling import COLLECTIVE_PREFIXES, PHASES\n\n\n"
     + _CONTRACT
     + '''    ### BEGIN SOLUTION
     def own(events):

@@ -362,7 +362,8 @@ def row_problem(got, want: list[dict], where: str) -> str | None:
         for key in KEYS[1:]:
             value = number(row[key])
             if not close(value, w[key]):
-                return f"{at}: {key} should be {w[key]:.4f} ms ({MEANS[key]}), got {row[key]!r:.40}"
+                shown = f"{value:.4f}" if math.isfinite(value) else f"{row[key]!r:.40}"
+                return f"{at}: {key} should be {w[key]:.4f} ms ({MEANS[key]}), got {shown}"
     return None
 
 
@@ -377,9 +378,11 @@ def judge(inputs: dict, outputs: dict) -> str:
         if why := row_problem(got, oracle(case["events"]), where):
             raise CheckFailed(why)
     real = sum(c["label"].startswith("a real") for c in cases)
+    kinds = f"{real} real, {len(cases) - real} synthetic" if real else "synthetic"
     return (
         f"step_breakdown gives every step's compute, communication and exposed communication "
-        f"of {len(cases)} traces ({real} real, {len(cases) - real} synthetic edge cases)"
+        f"of {len(cases)} traces ({kinds}: nested operators, the steps' edges, other threads, "
+        "hidden and exposed communication)"
     )
 
 
