@@ -9,6 +9,8 @@ the grade refuse the same things in the same way:
 - :func:`forbidden_calls`: while student code runs, the named ``torch.distributed`` functions
   raise, in ``torch.distributed`` *and* in ``distributed_c10d`` (where a name imported early,
   ``from torch.distributed.distributed_c10d import all_reduce``, would otherwise escape);
+- :func:`watched_collectives`: every collective the code calls is noted, then runs (the
+  checkers count and size what student code sends);
 - :func:`refused_class`: constructing a class raises (``DistributedDataParallel`` in "write
   your own DDP");
 - :func:`recorded_process_group`: ``init_process_group`` / ``destroy_process_group`` only
@@ -138,6 +140,47 @@ def forbidden_calls(
             if hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, _refuser(name, why))
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+@contextmanager
+def watched_collectives(note: Callable[[str, tuple, dict], None]) -> Iterator[None]:
+    """While the block runs, every collective of :data:`COLLECTIVES` calls
+    ``note(name, args, kwargs)`` and then runs as usual; a collective that calls another one
+    inside is noted once. Replaced in ``torch.distributed`` and ``distributed_c10d`` (so a
+    name imported from either is watched), restored afterwards.
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> with watched_collectives(lambda name, args, kwargs: seen.append(name)):
+        ...     pass
+        >>> seen
+        []
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    saved, inside = [], [0]
+    for name in COLLECTIVES:
+        original = getattr(c10d, name, None) or getattr(dist, name)
+
+        def watched(*args, _name=name, _original=original, **kwargs):
+            if not inside[0]:
+                note(_name, args, kwargs)
+            inside[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+
+        for module in (dist, c10d):
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, watched)
     try:
         yield
     finally:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ddp_lab.checks.guards import COLLECTIVES
+from ddp_lab.checks.guards import watched_collectives
 
 LAB = "lab07_beyond_ddp"
 
@@ -62,33 +62,14 @@ def counted_collectives(counts: Counter, sizes: list | None = None) -> Iterator[
     that calls another one inside counts once). With ``sizes``, each call also appends
     ``[name, numbers]``: the numbers of its largest tensor argument (a list of tensors
     counting as their sum)."""
-    import torch.distributed.distributed_c10d as c10d
 
-    saved = []
-    inside = [0]  # a collective that calls another one counts once
-    for name in COLLECTIVES:
-        original = getattr(c10d, name, None) or getattr(dist, name)
+    def note(name, args, kwargs):
+        counts[name] += 1
+        if sizes is not None:
+            sizes.append([name, numbers(*args, *kwargs.values())])
 
-        def counting(*args, _name=name, _original=original, **kwargs):
-            if not inside[0]:
-                counts[_name] += 1
-                if sizes is not None:
-                    sizes.append([_name, numbers(*args, *kwargs.values())])
-            inside[0] += 1
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                inside[0] -= 1
-
-        for module in (dist, c10d):
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, counting)
-    try:
+    with watched_collectives(note):
         yield
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
 
 
 def numbers(*args) -> int:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ddp_lab.checks.guards import COLLECTIVES
+from ddp_lab.checks.guards import watched_collectives
 from ddp_lab.checks.values import kind
 
 
@@ -30,30 +30,12 @@ class Recorder:
 
     @contextmanager
     def installed(self):
-        import torch.distributed.distributed_c10d as c10d
+        def note(name, args, kwargs):
+            if self.calls is not None:
+                self.calls.append(self._call(name, args, kwargs))
 
-        saved, inside = [], [0]
-        for name in COLLECTIVES:
-            original = getattr(c10d, name, None) or getattr(dist, name)
-
-            def wrapper(*args, _name=name, _original=original, **kwargs):
-                if self.calls is not None and not inside[0]:
-                    self.calls.append(self._call(_name, args, kwargs))
-                inside[0] += 1
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    inside[0] -= 1
-
-            for module in (dist, c10d):
-                if hasattr(module, name):
-                    saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, wrapper)
-        try:
+        with watched_collectives(note):
             yield self
-        finally:
-            for module, name, value in reversed(saved):
-                setattr(module, name, value)
 
     def _call(self, name: str, args, kwargs) -> list:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
