@@ -7,16 +7,16 @@ Three measurements, written to ``results/bench/bench.json`` and ``bench.png``:
    plain PyTorch DDP scripts in the style of the official pytorch/examples DDP tutorial
    (:func:`reference`: ``init_process_group``, ``DistributedSampler``, ``DDP``, SGD,
    cross-entropy, nothing else): the *reference* reads the trainer's synthetic set
-   (generated per sample as the trainer reads it); the *plain* one shares nothing with the
+   (``ddp_lab.data``, as the trainer reads it); the *plain* one shares nothing with the
    trainer but the model: an in-memory ``TensorDataset`` of random CIFAR-shaped tensors, as
    a student's script would hold them. The *trainer* is ``torchrun -m ddp_lab.train`` with
-   its defaults (``--log-every 10``). All run under the same launcher with the same model,
-   per-process batch, steps, optimizer settings, threads and loader workers, and all count
-   samples/s the same way: from the end of the first step to the end of the last one. Each
-   round gives the ratios trainer / reference and trainer / plain; the report is the median
-   with min and max, so that the machine's drift over minutes (other users, thermal)
-   cancels within a round instead of deciding which side wins. Also the trainer's 2 /
-   1-process speed-up (median of its runs).
+   its defaults (``--log-every 10``; more flags with ``--trainer-args``). Same launcher,
+   model, per-process batch, steps, optimizer settings, threads and loader workers; all
+   count samples/s and the page faults of the slowest rank (:mod:`ddp_lab.hostmem`) from
+   the end of the first step to the end of the last one. Each round gives the ratios
+   trainer / reference and trainer / plain; the report is their median, min and max, so
+   that the machine's drift over minutes cancels within a round instead of deciding which
+   side wins. Also the trainer's 2 / 1-process speed-up (median of its runs).
 2. **Communication share of a step** (2 processes): blocks of DDP steps with the gradient
    all-reduce, alternating with blocks under ``no_sync`` (no all-reduce); share = 1 -
    no_sync / synced step time, next to the trainer's own ``comm_share`` (its comm hook).
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -137,6 +138,7 @@ def reference(
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
+    from ddp_lab.hostmem import minor_faults  # a measurement only: the loop is plain
     from ddp_lab.models import build_model
 
     device, backend = device_and_backend()
@@ -173,10 +175,17 @@ def reference(
         optimizer.step()
         if t0 is None:  # the first step is warm-up, as in the trainer
             _sync(device)
-            t0 = time.perf_counter()
+            t0, faults0 = time.perf_counter(), minor_faults()
     _sync(device)
     seconds = time.perf_counter() - t0
-    write_result({"samples_per_s": (steps - 1) * batch * world / seconds, "seconds": seconds})
+    # the most page faults per step of any rank, as the trainer's summary counts them
+    faults = torch.tensor([(minor_faults() - faults0) / (steps - 1)], dtype=torch.float64)
+    faults = faults.to(device)
+    dist.all_reduce(faults, op=dist.ReduceOp.MAX)
+    speed = (steps - 1) * batch * world / seconds
+    write_result(
+        {"samples_per_s": speed, "seconds": seconds, "page_faults_per_step": faults.item()}
+    )
     # DDP's reducer freed after the group is gone can abort a rank ("terminate called
     # without an active exception"): drop it, wait for every rank, then leave the group.
     del model, optimizer, loader
@@ -257,33 +266,37 @@ def all_reduce_times(sizes: Sequence[int], rounds: int, repeats: int, device) ->
 # --------------------------------------------------------------------------- launches
 
 
-def run_reference(args: argparse.Namespace, nproc: int, data: str = "trainer") -> float:
+def run_reference(
+    args: argparse.Namespace, nproc: int, data: str = "trainer"
+) -> tuple[float, float]:
     """Samples/s of the reference (``data="memory"``: the plain one) on ``nproc``
-    processes (one launch)."""
+    processes (one launch), and the most page faults per step of any rank."""
     flags = ["--worker", "reference", "--model", args.model, "--steps", str(args.steps)]
-    flags += ["--batch-size", str(args.batch_size), "--workers", str(args.workers)]
-    flags += ["--data", data]
+    flags += ["--batch-size", str(args.batch_size), "--workers", str(args.workers), "--data", data]
     res = torchrun(PROG, flags, nproc=nproc, module=True, timeout=args.timeout, stream=False)
-    return res.result["samples_per_s"]
+    return res.result["samples_per_s"], res.result["page_faults_per_step"]
 
 
-def run_trainer(args: argparse.Namespace, nproc: int) -> tuple[float, float | None]:
+def run_trainer(args: argparse.Namespace, nproc: int) -> tuple[float, float | None, float]:
     """Samples/s of ``torchrun -m ddp_lab.train`` with its defaults on ``nproc`` processes,
-    and the mean ``comm_share`` of its records (None on one process)."""
+    the mean ``comm_share`` of its records (None on one process) and the most page faults
+    per step of any rank."""
     with tempfile.TemporaryDirectory() as out:
         flags = ["--model", args.model, "--batch-size", str(args.batch_size)]
         flags += ["--max-steps", str(args.steps), "--num-workers", str(args.workers)]
         flags += ["--train-size", str(args.steps * args.batch_size * nproc)]
         flags += ["--test-size", "64", "--out", out, "--no-progress"]
+        flags += shlex.split(args.trainer_args)
         torchrun(
             "ddp_lab.train", flags, nproc=nproc, module=True, timeout=args.timeout, stream=False
         )
         with open(os.path.join(out, "summary.json")) as f:
-            samples_per_s = json.load(f)["samples_per_s"]
+            summary = json.load(f)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             shares = [json.loads(line).get("comm_share") for line in f]
     shares = [s for s in shares if s is not None and nproc > 1]
-    return samples_per_s, (statistics.mean(shares) if shares else None)
+    share = statistics.mean(shares) if shares else None
+    return summary["samples_per_s"], share, summary["page_faults_per_step"]
 
 
 def load_1min() -> float:
@@ -296,20 +309,22 @@ def throughput(args: argparse.Namespace) -> dict:
     order = interleaved(args.pairs, args.nprocs, KINDS)
     out: dict = {"pairs": args.pairs, "order": [list(o) for o in order]}
     for n in args.nprocs:
-        out[f"np{n}"] = {k: [] for k in (*KINDS, "trainer_comm_share", "load")}
+        faults = [f"{kind}_page_faults" for kind in KINDS]
+        out[f"np{n}"] = {k: [] for k in (*KINDS, *faults, "trainer_comm_share", "load")}
     for i, n, kind in order:
         runs = out[f"np{n}"]
         runs["load"].append(load_1min())
         if kind != "trainer":
-            runs[kind].append(run_reference(args, n, "memory" if kind == "plain" else "trainer"))
+            speed, faults = run_reference(args, n, "memory" if kind == "plain" else "trainer")
         else:
-            samples_per_s, share = run_trainer(args, n)
-            runs["trainer"].append(samples_per_s)
+            speed, share, faults = run_trainer(args, n)
             runs["trainer_comm_share"].append(share)
-        print(
-            f"{PROG}: pair {i + 1}/{args.pairs}, {n} process(es), {kind:<9} "
-            f"{runs[kind][-1]:7.1f} samples/s (load {runs['load'][-1]:.2f})",
-            flush=True,
+        runs[kind].append(speed)
+        runs[f"{kind}_page_faults"].append(faults)
+        say(
+            f"pair {i + 1}/{args.pairs}, {n} process(es), {kind:<9} {speed:7.1f} samples/s, "
+            f"{faults:6.0f} page faults per step (the most of any rank; load "
+            f"{runs['load'][-1]:.2f})"
         )
     for n in args.nprocs:
         runs = out[f"np{n}"]
@@ -377,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message sizes, bytes")
     p.add_argument("--only", choices=["throughput", "collectives"], nargs="+", default=None)
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    p.add_argument(
+        "--trainer-args",
+        default="",
+        help='more trainer flags, e.g. "--host-memory release" (glibc\'s defaults, as in the '
+        'plain loops) or "--amp bf16"',
+    )
     p.add_argument("--out", default="results/bench")
     p.add_argument("--worker", choices=["reference", "collectives"], help=argparse.SUPPRESS)
     p.add_argument(
@@ -402,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_per_process": args.batch_size,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),
+        "trainer_args": args.trainer_args,
         "cpus": os.cpu_count(),
         "load_start": load_1min(),
     }
@@ -418,54 +440,57 @@ def main(argv: list[str] | None = None) -> int:
     from ddp_lab.figures.bench import plot_bench
 
     plot_bench(result, os.path.join(args.out, "bench.png"))
-    print(f"{PROG}: wrote {args.out}/bench.json and bench.png", flush=True)
+    say(f"wrote {args.out}/bench.json and bench.png")
     return 0
+
+
+def say(line: str) -> None:
+    """One line of the bench's report, prefixed with its name."""
+    print(f"{PROG}: {line}", flush=True)
 
 
 def report(result: dict) -> None:
     """Print the ratios that matter, one line each."""
     tp = result.get("throughput", {})
+    flags = f" (trainer flags {result['trainer_args']})" if result.get("trainer_args") else ""
     for key in sorted(k for k in tp if k.startswith("np")):
         for other in ("reference", "plain"):
-            r = tp[key].get(f"trainer_over_{other}")
-            if r is None:
-                continue
-            print(
-                f"{PROG}: trainer / {other}, {key[2:]} process(es): median {r['median']:.3f} "
-                f"(min {r['min']:.3f}, max {r['max']:.3f}, {len(r['ratios'])} pairs)",
-                flush=True,
-            )
+            if (r := tp[key].get(f"trainer_over_{other}")) is not None:
+                say(
+                    f"trainer / {other}, {key[2:]} process(es): median {r['median']:.3f} "
+                    f"(min {r['min']:.3f}, max {r['max']:.3f}, {len(r['ratios'])} pairs)"
+                )
+        faults = {k: tp[key].get(f"{k}_page_faults") for k in KINDS}
+        if all(faults.values()):
+            medians = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in faults.items())
+            say(f"page faults per step, {key[2:]} process(es), median: {medians}{flags}")
     if "trainer_speedup" in tp:
         s = tp["trainer_speedup"]
-        print(
-            f"{PROG}: trainer {s['processes']} / 1 processes: {s['median']:.2f}x (pairwise "
-            f"min {s['pairs']['min']:.2f}, max {s['pairs']['max']:.2f})",
-            flush=True,
+        say(
+            f"trainer {s['processes']} / 1 processes: {s['median']:.2f}x (pairwise "
+            f"min {s['pairs']['min']:.2f}, max {s['pairs']['max']:.2f})"
         )
     if "comm_share" in result:
         c = result["comm_share"]
         trainer = [s for s in tp.get("np2", {}).get("trainer_comm_share", []) if s is not None]
         mine = f"; the trainer's comm_share {statistics.mean(trainer):.1%}" if trainer else ""
-        print(
-            f"{PROG}: communication share of a step: {c['share']:.1%} (synced "
+        say(
+            f"communication share of a step: {c['share']:.1%} (synced "
             f"{c['synced_median_s'] * 1e3:.1f} ms, no_sync {c['no_sync_median_s'] * 1e3:.1f} ms)"
-            + mine,
-            flush=True,
+            + mine
         )
     if "bandwidth" in result:
         b = result["bandwidth"]
         for i, size in enumerate(b["sizes"]):
             g, r = b["bus_bandwidth"]["all_reduce"][i], b["bus_bandwidth"]["ring"][i]
-            print(
-                f"{PROG}: {size / 2**20:8.3f} MiB: all_reduce {g / 1e9:6.3f} GB/s, ring "
-                f"{r / 1e9:6.3f} GB/s ({r / g:.2f}x)",
-                flush=True,
+            say(
+                f"{size / 2**20:8.3f} MiB: all_reduce {g / 1e9:6.3f} GB/s, ring "
+                f"{r / 1e9:6.3f} GB/s ({r / g:.2f}x)"
             )
         for name, fit in b["fit"].items():
-            print(
-                f"{PROG}: fit {name}: alpha {fit['alpha_s'] * 1e6:.1f} us, B "
-                f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s",
-                flush=True,
+            say(
+                f"fit {name}: alpha {fit['alpha_s'] * 1e6:.1f} us, B "
+                f"{fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
             )
 
 

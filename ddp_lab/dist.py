@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from ddp_lab.errors import UsageError
@@ -232,6 +233,24 @@ def print0(*args, env: DistEnv | None = None, **kwargs) -> None:
     if rank == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside a ``DistributedDataParallel`` wrapper (or the model itself).
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> unwrap(layer) is layer
+        True
+    """
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def sync_buffers(model: torch.nn.Module, env: DistEnv) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP does."""
+    if env.distributed:
+        for buf in unwrap(model).buffers():
+            dist.broadcast(buf, src=0)
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ddp_lab.dist import CommMeter, DistEnv, all_reduce_sum, print0
+from ddp_lab.hostmem import minor_faults
 
 PROG = "ddp_lab.train"
 
@@ -38,18 +39,19 @@ def _progress(total: int, env: DistEnv, disable: bool):
 
 
 class Clock:
-    """Training time: from the end of the first step, without evaluation and checkpoints.
+    """Training time and page faults: from the end of the first step, without evaluation
+    and checkpoints.
 
-    The first step is warm-up (allocations, DDP's bucket rebuild) and is not timed.
-    ``with clock.paused("eval"):`` keeps a block out of the training time and adds its
-    duration to ``clock.other["eval"]``.
+    The first step is warm-up (allocations, DDP's bucket rebuild) and is not counted.
+    ``with clock.paused("eval"):`` keeps a block out of the training time (and its page
+    faults out of the training faults) and adds its duration to ``clock.other["eval"]``.
 
     Example:
         >>> clock = Clock()
         >>> clock.start()
         >>> with clock.paused("eval"):
         ...     pass
-        >>> clock.train_seconds() >= 0.0
+        >>> clock.train_seconds() >= 0.0 and clock.train_faults() >= 0
         True
     """
 
@@ -57,25 +59,33 @@ class Clock:
         self.t0: float | None = None
         self.pause = 0.0
         self.other: dict[str, float] = {}
+        self.faults0 = self.pause_faults = 0
 
     def start(self) -> None:
         """Start the training clock (at the end of the first step)."""
         self.t0, self.pause = time.perf_counter(), 0.0
+        self.faults0, self.pause_faults = minor_faults(), 0
 
     @contextlib.contextmanager
     def paused(self, what: str):
         """Keep the block's time out of the training time; add it to ``other[what]``."""
-        t = time.perf_counter()
+        t, faults = time.perf_counter(), minor_faults()
         try:
             yield
         finally:
             dt = time.perf_counter() - t
             self.pause += dt
+            self.pause_faults += minor_faults() - faults
             self.other[what] = self.other.get(what, 0.0) + dt
 
     def train_seconds(self) -> float:
         """Seconds of training since :meth:`start` (NaN before it)."""
         return float("nan") if self.t0 is None else time.perf_counter() - self.t0 - self.pause
+
+    def train_faults(self) -> int:
+        """This process's minor page faults in training since :meth:`start` (0 before it;
+        :mod:`ddp_lab.hostmem`)."""
+        return 0 if self.t0 is None else minor_faults() - self.faults0 - self.pause_faults
 
 
 class Window:

@@ -228,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="2,1,3",
         help="optimizer steps the profiler skips, warms up on (recorded, thrown away) and keeps",
     )
+    r.add_argument(
+        "--host-memory",
+        choices=["keep", "release"],
+        default="keep",
+        help="keep: the C library keeps host memory freed in a step for the next step "
+        "(glibc's mallopt; ddp_lab.hostmem); release: glibc's defaults, which hand freed "
+        "activations back to the kernel and fault them in again every step (on the CPU "
+        "thousands of page faults per step and rank, slower; the same weights)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     r.add_argument(
         "--dry-run",
@@ -276,6 +285,7 @@ class Config:
     log_every: int
     profile: str | None
     profile_steps: str
+    host_memory: str
     no_progress: bool
     dry_run: bool
 

@@ -14,7 +14,8 @@ timeline: start, resume, checkpoints, faults); with ``--profile DIR`` a trace pe
 The pieces around the loop have rooms of their own: the command line (:mod:`ddp_lab.options`),
 the optimizer step in lab 5's order (:mod:`ddp_lab.optim`), records at no per-step cost
 (:mod:`ddp_lab.monitor`), checkpoints and the resumable data order (:mod:`ddp_lab.checkpoint`),
-faults and failures explained (:mod:`ddp_lab.faults`).
+the rollback rule at a checkpoint (:mod:`ddp_lab.rollback`), faults and failures explained
+(:mod:`ddp_lab.faults`), host memory kept between steps (:mod:`ddp_lab.hostmem`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from ddp_lab.checkpoint import (
     Position,
     ResumableSampler,
     check_resumable,
-    training_state,
     write_atomic,
 )
 from ddp_lab.dist import (
@@ -47,15 +47,19 @@ from ddp_lab.dist import (
     print0,
     settle_ddp_buckets,
     setup,
+    sync_buffers,
     teardown,
+    unwrap,
 )
 from ddp_lab.errors import UsageError, exit_on_usage_error
 from ddp_lab.faults import Events, Faults, InjectedFault, attempt, process_start_time
+from ddp_lab.hostmem import keep_freed_memory
 from ddp_lab.models import build_model, has_batchnorm
 from ddp_lab.monitor import Clock, NormWarning, Recorder, Window
 from ddp_lab.optim import autocast, optimizer_step, warmup_schedule
 from ddp_lab.options import PROG, Config, build_parser, check_environment, parse_args
 from ddp_lab.profiling import StepProfiler, parse_schedule
+from ddp_lab.rollback import checkpoint
 from ddp_lab.syncbn import convert_sync_batchnorm_auto
 
 __all__ = ["Config", "build_parser", "check_environment", "main", "parse_args", "train"]
@@ -71,18 +75,6 @@ def wrap_model(model: torch.nn.Module, cfg: Config, env: DistEnv) -> torch.nn.Mo
         device_ids = [env.local_rank] if env.device.type == "cuda" else None
         model = DDP(model, device_ids=device_ids)
     return model
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module inside a DDP wrapper (or the model itself)."""
-    return model.module if isinstance(model, DDP) else model
-
-
-def sync_buffers(model: torch.nn.Module, env: DistEnv) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP does."""
-    if env.distributed:
-        for buf in unwrap(model).buffers():
-            dist.broadcast(buf, src=0)
 
 
 def save_atomic(obj, path: str) -> None:
@@ -132,78 +124,6 @@ def make_faults(cfg: Config, env: DistEnv) -> Faults:
             return build_model(cfg.model)
 
     return Faults(cfg.fail_at_step, cfg.fault, rank, env, None, cfg.pg_timeout, rebuild)
-
-
-def checkpoint(
-    ckpts: Checkpoints,
-    run: tuple,
-    test_set: torch.utils.data.Dataset,
-    faults: Faults,
-    events: Events,
-    accuracy: float | None = None,
-) -> list[dict]:
-    """Save the checkpoint of the current step (a collective: every rank calls it).
-
-    With ``--rollback-drop`` the weights are evaluated first (unless ``accuracy`` is
-    given); when the test accuracy fell more than that many points below the best
-    checkpoint's, the best checkpoint's weights, optimizer and scaler state come back
-    before saving (the step count, the LR schedule and the data order go on: the batches in
-    between are skipped, as large training runs do after a loss spike).
-
-    Args:
-        ckpts: the run's checkpoints.
-        run: ``(cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals)``.
-        test_set: the validation set of the rollback rule.
-        faults: for the error context.
-        events: the run's timeline.
-        accuracy: the test accuracy of the current weights, when just measured.
-
-    Returns:
-        ``[rollback record]`` when it rolled back, else ``[]``.
-    """
-    cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals = run
-    faults.at(f"the checkpoint of step {pos.step}")
-    rolled = []
-    if cfg.rollback_drop is None:
-        accuracy = None  # the best checkpoint matters only for a rollback
-    else:
-        if accuracy is None:
-            sync_buffers(model, env)
-            accuracy = data_mod.evaluate(unwrap(model), test_set, env)["accuracy"]
-        if ckpts.dropped(accuracy, cfg.rollback_drop):
-            best = ckpts.load_best()
-            unwrap(model).load_state_dict(best["model"])
-            optimizer.load_state_dict(best["optimizer"])
-            scaler.load_state_dict(best["scaler"])
-            rolled = [
-                {
-                    "step": pos.step,
-                    "accuracy": accuracy,
-                    "restored_step": best["step"],
-                    "restored_accuracy": best["accuracy"],
-                }
-            ]
-            events.log("rollback", **rolled[0])
-            print0(
-                f"{PROG}: rollback at step {pos.step}: test accuracy {accuracy:.4f} is more "
-                f"than --rollback-drop {cfg.rollback_drop:g} points below the best "
-                f"checkpoint's {best['accuracy']:.4f} (step {best['step']}); restored its "
-                "weights, optimizer and scaler",
-                env=env,
-                file=sys.stderr,
-            )
-            accuracy = best["accuracy"]
-    state = training_state(cfg, env, pos, model, optimizer, scaler, scheduler, loader, evals)
-    info = ckpts.save(pos.step, state, accuracy)
-    events.log(
-        "checkpoint",
-        step=pos.step,
-        path=info["path"],
-        bytes=info["bytes"],
-        seconds=info["seconds"],
-        accuracy=accuracy,
-    )
-    return rolled
 
 
 def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
@@ -407,6 +327,11 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
     seconds = time.perf_counter() - t_start
     train_seconds = clock.train_seconds()
     done_here = pos.step - first_step + 1  # steps this process ran (after a resume: fewer)
+    # the slowest rank sets the pace: the most page faults of any rank (ddp_lab.hostmem)
+    faults = torch.tensor([clock.train_faults() / max(1, done_here - 1)], dtype=torch.float64)
+    if env.distributed:
+        faults = faults.to(env.device)
+        dist.all_reduce(faults, op=dist.ReduceOp.MAX)
     summary = {
         "final_loss": last_loss,
         "accuracy": evals[-1]["accuracy"] if evals else float("nan"),
@@ -421,6 +346,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
             (done_here - 1) * global_batch / train_seconds if done_here > 1 else float("nan")
         ),
         "train_seconds": train_seconds,
+        "page_faults_per_step": faults.item(),  # the largest of any rank, training steps
         "eval_seconds": clock.other.get("eval", 0.0),
         "checkpoint_seconds": clock.other.get("checkpoint", 0.0),
         "seconds": seconds,
@@ -457,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     errors exit with 2 (:mod:`ddp_lab.errors`).
     """
     cfg = parse_args(argv)
+    if cfg.host_memory == "keep":
+        keep_freed_memory()  # no page faults per step for activations freed and reallocated
     env = setup(cfg.backend, cfg.pg_timeout)
     faults = make_faults(cfg, env)
     try:

@@ -45,11 +45,11 @@ def test_json_shape_and_launch_order(monkeypatch, tmp_path):
 
     def fake_reference(args, nproc, data="trainer"):
         calls.append(("plain" if data == "memory" else "reference", nproc))
-        return (110.0 if data == "memory" else 100.0) * nproc
+        return (110.0 if data == "memory" else 100.0) * nproc, 1000.0 * nproc
 
     def fake_trainer(args, nproc):
         calls.append(("trainer", nproc))
-        return (99.0, None) if nproc == 1 else (188.1, 0.1)
+        return (99.0, None, 9.0) if nproc == 1 else (188.1, 0.1, 12.0)
 
     monkeypatch.setattr(bench, "run_reference", fake_reference)
     monkeypatch.setattr(bench, "run_trainer", fake_trainer)
@@ -82,6 +82,8 @@ def test_json_shape_and_launch_order(monkeypatch, tmp_path):
     assert tp["trainer_speedup"]["median"] == pytest.approx(1.9)
     assert tp["trainer_speedup"]["processes"] == 2
     assert len(tp["np2"]["load"]) == 6 and tp["np2"]["trainer_comm_share"] == [0.1, 0.1]
+    assert tp["np2"]["plain_page_faults"] == [2000.0] * 2
+    assert tp["np1"]["trainer_page_faults"] == [9.0] * 2
     assert {"comm_share", "bandwidth", "load_start", "load_end", "threads"} <= set(result)
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
@@ -97,6 +99,7 @@ def test_tiny_real_run_of_every_part(tmp_path):
     pair = result["throughput"]["np2"]
     assert pair["reference"][0] > 0 and pair["plain"][0] > 0 and pair["trainer"][0] > 0
     assert 0 < pair["trainer_comm_share"][0] < 1
+    assert all(pair[f"{kind}_page_faults"][0] >= 0 for kind in bench.KINDS)
     assert result["comm_share"]["synced_median_s"] > 0
     bw = result["bandwidth"]
     assert set(bw["bus_bandwidth"]) == {"all_reduce", "ring"} and bw["sizes"] == [4096, 65536]

@@ -103,5 +103,6 @@ def test_no_host_read_or_loss_reduction_between_records(monkeypatch, tmp_path):
     assert len(reductions) == 2, f"{len(reductions)} loss reductions for 2 records"
     # per record: the reduced loss, and one small tensor (grad norm, its max, skipped steps);
     # per epoch: the DataLoader draws its base seed, the sampler lists the epoch's order;
-    # before the first step: each synthetic set (train, test) lists its labels once
-    assert len(reads) <= 2 * 2 + 2 + 2, f"{len(reads)} host reads for 2 records and 1 epoch"
+    # before the first step: each synthetic set (train, test) lists its labels once;
+    # after the last step: the summary's page faults per step (the most of any rank)
+    assert len(reads) <= 2 * 2 + 2 + 2 + 1, f"{len(reads)} host reads for 2 records and 1 epoch"
