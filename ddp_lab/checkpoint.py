@@ -1,11 +1,9 @@
 """Checkpoints: written atomically by rank 0, checksummed, loaded by every rank, pruned,
 and the best one kept for a rollback; plus the data order that lets a run resume mid-epoch.
 
-A checkpoint file ``ckpt-<step>.pt`` is one header line ``DDPLAB-CKPT 1 sha256=<hex>``
-followed by a ``torch.save`` payload (read back with ``weights_only=True``). Writing goes
-to a temporary file in the same folder, is flushed and fsync'ed, then renamed over the final
-name (and the folder fsync'ed): a crash or a full disk never leaves half a file under a
-checkpoint's name, and never touches an older checkpoint. A file whose checksum does not
+A checkpoint is one checksummed file ``ckpt-<step>.pt`` written atomically
+(:mod:`ddp_lab.ckptfile`), or with ``--ckpt-format dcp`` a folder ``ckpt-<step>.dcp`` that
+every rank writes its share of (:mod:`ddp_lab.dcp`). A checkpoint whose checksum does not
 match (truncated, damaged) is reported in one line and the previous one is used.
 
 Resuming at another world size: the epoch's global order is the same for every world size
@@ -17,11 +15,10 @@ rest of that order over the new ranks, so no sample of the epoch is read twice o
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -32,104 +29,37 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ddp_lab.ckptfile import CorruptCheckpoint, decode, encode, verify, write_atomic
 from ddp_lab.dist import DistEnv, print0
 from ddp_lab.errors import UsageError
 
 if TYPE_CHECKING:
     from ddp_lab.options import Config
 
-MAGIC = b"DDPLAB-CKPT 1 sha256="
-NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+NAME = re.compile(r"^ckpt-(\d{8})\.(pt|dcp)$")
+#: The file name's suffix of each ``--ckpt-format``: one file, or a folder (:mod:`ddp_lab.dcp`).
+SUFFIX = {"file": "pt", "dcp": "dcp"}
 
 #: Flags a resumed run must share with the run that wrote the checkpoint.
 MUST_MATCH = ("model", "dataset", "train_size", "seed", "amp", "sync_bn", "momentum")
+#: ... and, for ``--model gpt``, the transformer's size.
+MUST_MATCH_GPT = ("seq_len", "width", "heads", "layers")
 
 
-class CorruptCheckpoint(Exception):
-    """A checkpoint file that cannot be trusted (bad header, checksum mismatch, unreadable)."""
-
-
-def checkpoint_name(step: int) -> str:
-    """The file name of the checkpoint written after optimizer step ``step``.
-
-    Example:
-        >>> checkpoint_name(42)
-        'ckpt-00000042.pt'
-    """
-    return f"ckpt-{step:08d}.pt"
-
-
-def encode(state: dict) -> bytes:
-    """``state`` serialised with ``torch.save``, behind a header line with its SHA-256.
+def checkpoint_name(step: int, fmt: str = "file") -> str:
+    """The name of the checkpoint written after optimizer step ``step``: a file, or a folder
+    with ``fmt="dcp"``.
 
     Example:
-        >>> decode(encode({"step": 3}))["step"]
-        3
+        >>> checkpoint_name(42), checkpoint_name(42, "dcp")
+        ('ckpt-00000042.pt', 'ckpt-00000042.dcp')
     """
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getvalue()
-    return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-
-
-def verify(data: bytes) -> bytes:
-    """The payload of :func:`encode`'s bytes, after checking the header and the checksum.
-
-    Raises:
-        CorruptCheckpoint: bad header, or checksum mismatch (a truncated or damaged file).
-    """
-    head, sep, payload = data.partition(b"\n")
-    if not (sep and head.startswith(MAGIC)):
-        raise CorruptCheckpoint("no checkpoint header")
-    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC) :]:
-        raise CorruptCheckpoint(f"checksum mismatch ({len(data)} bytes: truncated or damaged)")
-    return payload
-
-
-def decode(data: bytes, map_location: str | torch.device | None = None) -> dict:
-    """The state inside :func:`encode`'s bytes, after checking the checksum.
-
-    Raises:
-        CorruptCheckpoint: bad header, checksum mismatch (a truncated file) or bad payload.
-    """
-    payload = verify(data)
-    try:
-        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
-    except Exception as err:  # a payload that hashes right but does not load
-        raise CorruptCheckpoint(f"unreadable payload ({type(err).__name__})") from None
-
-
-def write_atomic(data: bytes, path: str) -> None:
-    """Write ``data`` to ``path`` so that ``path`` holds either its old content or all of
-    ``data``: temporary file in the same folder, flush, fsync, rename, fsync the folder.
-
-    Example:
-        >>> import tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "x")
-        >>> write_atomic(b"hello", p)
-        >>> open(p, "rb").read()
-        b'hello'
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return f"ckpt-{step:08d}.{SUFFIX[fmt]}"
 
 
 def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint file in ``ckpt_dir``, oldest first."""
+    """``(step, path)`` of every checkpoint (file or DCP folder) in ``ckpt_dir``, oldest
+    first."""
     if not os.path.isdir(ckpt_dir):
         return []
     return sorted(
@@ -159,8 +89,13 @@ def newest_valid(
     chosen, bad = None, []
     for _, path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            with open(path, "rb") as f:
-                verify(f.read())  # the checksum; every rank loads the chosen file next
+            if os.path.isdir(path):
+                from ddp_lab import dcp
+
+                dcp.verify(path)  # every file's checksum
+            else:
+                with open(path, "rb") as f:
+                    verify(f.read())  # the checksum; every rank loads the chosen file next
             chosen = path
             break
         except (CorruptCheckpoint, OSError) as err:
@@ -180,7 +115,10 @@ def prune(ckpt_dir: str, keep_last: int, keep: set[str] = frozenset()) -> list[s
     found = [p for _, p in list_checkpoints(ckpt_dir)]
     doomed = [p for p in found[: max(0, len(found) - keep_last)] if p not in keep]
     for path in doomed:
-        os.remove(path)
+        if os.path.isdir(path):  # a DCP folder
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
     return doomed
 
 
@@ -260,14 +198,30 @@ class Checkpoints:
     load the newest valid one (every rank, ``map_location`` to its device), prune to
     ``keep_last``, and keep the best one by validation accuracy for a rollback.
 
+    With ``fmt="dcp"`` a checkpoint is a folder that every rank writes its share of
+    (:mod:`ddp_lab.dcp`); loading restores ``model`` and ``optimizer`` in place. Either
+    format is read back, whichever wrote the newest checkpoint.
+
     Args:
         ckpt_dir: the folder (created by rank 0; shared by all ranks of the job).
         env: this process's :class:`~ddp_lab.dist.DistEnv`.
         keep_last: how many of the newest checkpoints stay (the best one stays too).
+        fmt: ``"file"`` (one file, written by rank 0) or ``"dcp"``.
+        model: the model a DCP checkpoint saves and restores.
+        optimizer: its optimizer.
     """
 
-    def __init__(self, ckpt_dir: str, env: DistEnv, keep_last: int) -> None:
-        self.dir, self.env, self.keep_last = ckpt_dir, env, keep_last
+    def __init__(
+        self,
+        ckpt_dir: str,
+        env: DistEnv,
+        keep_last: int,
+        fmt: str = "file",
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.dir, self.env, self.keep_last, self.fmt = ckpt_dir, env, keep_last, fmt
+        self.model, self.optimizer = model, optimizer
         #: ``{"step", "accuracy", "path"}`` of the best checkpoint so far, or ``None``.
         self.best: dict | None = None
         if env.is_rank0:
@@ -286,17 +240,25 @@ class Checkpoints:
             ``{"path", "bytes", "seconds"}`` (bytes and seconds on rank 0; 0 elsewhere).
         """
         rng = gather_rng_states(self.env)  # every rank's generators, on rank 0 too
-        path = os.path.join(self.dir, checkpoint_name(step))
+        path = os.path.join(self.dir, checkpoint_name(step, self.fmt))
         if accuracy is not None and (self.best is None or accuracy > self.best["accuracy"]):
             self.best = {"step": step, "accuracy": accuracy, "path": path}
         info = {"path": path, "bytes": 0, "seconds": 0.0}
-        if self.env.is_rank0:
-            t0 = time.perf_counter()
-            data = encode({**state, "rng": rng, "accuracy": accuracy, "best": self.best})
+        t0 = time.perf_counter()
+        state = {**state, "rng": rng, "accuracy": accuracy, "best": self.best}
+        if self.fmt == "dcp":
+            from ddp_lab import dcp
+
+            rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+            info["bytes"] = dcp.save(path, self.model, self.optimizer, rest, self.env)
+        elif self.env.is_rank0:
+            data = encode(state)
             write_atomic(data, path)
+            info["bytes"] = len(data)
+        if self.env.is_rank0:
             keep = {self.best["path"]} if self.best else set()
             prune(self.dir, self.keep_last, keep)
-            info.update(bytes=len(data), seconds=time.perf_counter() - t0)
+            info["seconds"] = time.perf_counter() - t0
         if self.env.distributed:
             dist.barrier()  # nobody runs ahead of a checkpoint that may not exist yet
         return info
@@ -312,7 +274,7 @@ class Checkpoints:
             dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
-        state = read_checkpoint(choice[0], map_location=self.env.device)
+        state = self._read(choice[0])
         rng = state["rng"]
         set_rng_state(rng[self.env.rank] if self.env.rank < len(rng) else rng[0])
         self.best = state.get("best")
@@ -327,7 +289,18 @@ class Checkpoints:
         """
         if self.best is None:
             raise CorruptCheckpoint("no checkpoint with a validation accuracy yet")
-        return read_checkpoint(self.best["path"], map_location=self.env.device)
+        return self._read(self.best["path"])
+
+    def _read(self, path: str) -> dict:
+        """A checkpoint's state onto this rank's device; a DCP folder also restores the
+        model and the optimizer in place (a collective)."""
+        if not os.path.isdir(path):
+            return read_checkpoint(path, map_location=self.env.device)
+        from ddp_lab import dcp
+
+        if self.model is None or self.optimizer is None:
+            raise CorruptCheckpoint(f"{path} is a DCP folder: it loads into a model")
+        return dcp.load(path, self.model, self.optimizer)
 
     def dropped(self, accuracy: float, drop_points: float) -> bool:
         """True when ``accuracy`` is more than ``drop_points`` percentage points below the
@@ -389,7 +362,8 @@ def training_state(
 
 
 def check_resumable(state: dict, cfg: Config, env: DistEnv, dataset_size: int) -> None:
-    """Refuse a checkpoint written with other essential flags (:data:`MUST_MATCH`), in one
+    """Refuse a checkpoint written with other essential flags (:data:`MUST_MATCH`, and
+    :data:`MUST_MATCH_GPT` for the transformer), in one
     line naming them; say so when the number of processes changed (the rest of the epoch
     is re-sharded).
 
@@ -397,8 +371,12 @@ def check_resumable(state: dict, cfg: Config, env: DistEnv, dataset_size: int) -
         UsageError: the checkpoint's flags differ from ``cfg`` in an essential one.
     """
     old = state["config"]
-    diff = [f"--{k.replace('_', '-')} {old[k]} (now {getattr(cfg, k)})" for k in MUST_MATCH]
-    diff = [d for d, k in zip(diff, MUST_MATCH, strict=True) if old[k] != getattr(cfg, k)]
+    keys = MUST_MATCH + (MUST_MATCH_GPT if cfg.model == "gpt" else ())
+    diff = [
+        f"--{k.replace('_', '-')} {old.get(k)} (now {getattr(cfg, k)})"
+        for k in keys
+        if old.get(k) != getattr(cfg, k)
+    ]
     if diff:
         raise UsageError(
             f"the checkpoint {state['path']} was written with {', '.join(diff)}; resume "

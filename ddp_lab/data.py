@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_lab.dist import DistEnv, all_reduce_sum
 from ddp_lab.errors import UsageError
+from ddp_lab.text import TEXT_DATASETS, make_text_datasets
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)
@@ -195,8 +196,10 @@ def make_datasets(
     train_size: int = 10_000,
     test_size: int = 2_000,
     data_seed: int = 0,
+    seq_len: int = 64,
 ) -> tuple[Dataset, Dataset]:
-    """The training and test sets of ``name`` (``"synthetic"`` or ``"cifar10"``).
+    """The training and test sets of ``name``: images (``"synthetic"``, ``"cifar10"``) or
+    next-token windows of ``seq_len`` tokens (``"text"``, ``"tokens"``: :mod:`ddp_lab.text`).
 
     Only rank 0 may download; call this on rank 0 first (see ``ddp_lab.train``).
 
@@ -212,7 +215,9 @@ def make_datasets(
         )
     if name == "cifar10":
         return load_cifar10(data_dir, train=True), load_cifar10(data_dir, train=False)
-    raise UsageError(f"unknown dataset {name!r}; use synthetic or cifar10")
+    if name in TEXT_DATASETS:
+        return make_text_datasets(name, seq_len, train_size, test_size, data_seed)
+    raise UsageError(f"unknown dataset {name!r}; use synthetic, cifar10, text or tokens")
 
 
 def make_train_loader(
@@ -285,6 +290,9 @@ def evaluate(
     another route, the masked padding, so that the student kit holds no copy of the
     exercise's answer; and every rank runs the same number of forward passes.
 
+    A sample may hold several predictions (a sequence of ``seq_len`` next tokens): accuracy
+    and loss are then means over every prediction of every real sample.
+
     Pass the *unwrapped* model (``ddp.module``): an evaluation forward needs no collective.
 
     Returns:
@@ -301,20 +309,26 @@ def evaluate(
     )
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # hits, real samples, summed loss
+    sums = torch.zeros(4, dtype=torch.float64)  # hits, real samples, predictions, summed loss
     read = 0
     for x, y in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
         x, y = x.to(env.device), y.to(env.device)
-        logits = model(x)
+        logits = model(x).flatten(0, -2)  # (predictions, classes)
         position = env.rank + env.world_size * torch.arange(read, read + len(y))
         real = (position < size).to(env.device)
         read += len(y)
-        hits = (logits.argmax(1) == y) & real
+        per_sample = y[0].numel()  # predictions per sample: 1, or a sequence's tokens
+        y, counted = y.flatten(), real.repeat_interleave(per_sample)
+        hits = (logits.argmax(1) == y) & counted
         losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
-        sums += torch.stack([hits.sum(), real.sum(), losses[real].sum()]).double().cpu()
+        sums += (
+            torch.stack([hits.sum(), real.sum(), counted.sum(), losses[counted].sum()])
+            .double()
+            .cpu()
+        )
     model.train(was_training)
-    hits, samples, loss = all_reduce_sum(sums, env).tolist()
-    return {"accuracy": hits / samples, "loss": loss / samples, "samples": int(samples)}
+    hits, samples, predictions, loss = all_reduce_sum(sums, env).tolist()
+    return {"accuracy": hits / predictions, "loss": loss / predictions, "samples": int(samples)}
 
 
 def choose_dataset(data_dir: str = "data", allow_download: bool = True) -> tuple[str, str]:

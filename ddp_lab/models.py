@@ -1,4 +1,4 @@
-"""The course's models, all for 3x32x32 inputs and 10 classes.
+"""The course's models: three for 3x32x32 images and 10 classes, and a transformer.
 
 - ``mlp``: two hidden layers, no BatchNorm. Fast on a laptop CPU, and its DDP run equals
   the single-process big-batch run to float rounding, which makes it the model of the
@@ -6,6 +6,8 @@
 - ``cnn``: a small convolutional net *with* BatchNorm, the model of the SyncBatchNorm lab.
 - ``resnet18``: torchvision's ResNet-18 adapted to 32x32 images (3x3 stem, no max-pool),
   the usual CIFAR-10 benchmark model for GPU runs.
+- ``gpt``: a small decoder-only transformer on byte tokens (:mod:`ddp_lab.gpt`), the model
+  of the transformer labs; its size comes from a :class:`~ddp_lab.gpt.GPTConfig`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from torch import nn
 
 from ddp_lab.data import IMAGE_SHAPE, NUM_CLASSES
 from ddp_lab.errors import UsageError
+from ddp_lab.gpt import GPT, GPTConfig
 
-MODELS = ("mlp", "cnn", "resnet18")
+MODELS = ("mlp", "cnn", "resnet18", "gpt")
 
 
 class MLP(nn.Module):
@@ -73,11 +76,12 @@ def resnet18_cifar(num_classes: int = NUM_CLASSES) -> nn.Module:
     return model
 
 
-def build_model(name: str) -> nn.Module:
+def build_model(name: str, gpt: GPTConfig | None = None) -> nn.Module:
     """Build a fresh model by name; the current torch seed decides its initial weights.
 
     Args:
         name: one of :data:`MODELS`.
+        gpt: the transformer's size for ``"gpt"`` (default: :class:`GPTConfig`'s).
 
     Returns:
         The model, on the CPU, in training mode.
@@ -94,6 +98,8 @@ def build_model(name: str) -> nn.Module:
         return SmallCNN()
     if name == "resnet18":
         return resnet18_cifar()
+    if name == "gpt":
+        return GPT(gpt or GPTConfig())
     raise UsageError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 

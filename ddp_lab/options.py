@@ -16,10 +16,15 @@ import torch
 from ddp_lab.dist import DEFAULT_TIMEOUT_S, DistEnv, print0
 from ddp_lab.errors import UsageError
 from ddp_lab.faults import KINDS
+from ddp_lab.gpt import GPTConfig
 from ddp_lab.models import MODELS
 from ddp_lab.profiling import parse_schedule
+from ddp_lab.text import TEXT_DATASETS
 
 PROG = "ddp_lab.train"
+#: Data sets of images (for mlp, cnn, resnet18) and all of them.
+IMAGE_DATASETS = ("synthetic", "cifar10")
+DATASETS = IMAGE_DATASETS + TEXT_DATASETS
 
 #: Flags that only make sense with ``--ckpt-dir``.
 NEED_CKPT_DIR = {
@@ -42,14 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument(
         "--dataset",
-        choices=["synthetic", "cifar10"],
-        default="synthetic",
-        help="synthetic: generated, CIFAR-shaped, no download; cifar10: from "
-        "--data-dir, downloaded when missing and online",
+        choices=DATASETS,
+        default=None,
+        help="synthetic: generated, CIFAR-shaped, no download; cifar10: from --data-dir, "
+        "downloaded when missing and online; text: Python's own documentation "
+        "(pydoc_data.topics) as byte tokens, for --model gpt; tokens: a seeded synthetic "
+        "token stream (tests). Default: text for --model gpt, synthetic otherwise",
     )
     d.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
-    d.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
-    d.add_argument("--test-size", type=int, default=2_000, help="synthetic test samples")
+    d.add_argument(
+        "--train-size",
+        type=int,
+        default=10_000,
+        help="synthetic and tokens: training samples; text: at most this many sequences",
+    )
+    d.add_argument(
+        "--test-size",
+        type=int,
+        default=2_000,
+        help="synthetic and tokens: test samples; text: at most this many sequences",
+    )
     d.add_argument(
         "--num-workers",
         type=int,
@@ -58,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     o = p.add_argument_group("model and optimisation")
-    o.add_argument("--model", choices=MODELS, default="mlp")
+    o.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mlp",
+        help="mlp, cnn, resnet18: images; gpt: a small decoder-only transformer (text)",
+    )
     o.add_argument("--epochs", type=int, default=1)
     o.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many optimizer steps in total"
@@ -121,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         "clipping (the norm is free then), at records otherwise; 0: off",
     )
 
+    g = p.add_argument_group(
+        "the transformer (--model gpt)", "Defaults train in about a minute on 2 CPU cores."
+    )
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    g.add_argument("--width", type=int, default=128, help="embedding width (a multiple of --heads)")
+    g.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    g.add_argument("--layers", type=int, default=2, help="transformer blocks")
+
     c = p.add_argument_group(
         "checkpoints and faults",
         "Checkpoints hold everything a bit-identical resume needs (model, optimizer, scaler, "
@@ -138,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="checkpoint every N optimizer steps (None: at every epoch end)",
+    )
+    c.add_argument(
+        "--ckpt-format",
+        choices=["file", "dcp"],
+        default="file",
+        help="file: one checksummed file per checkpoint, written by rank 0; dcp: a folder "
+        "written by every rank through torch.distributed.checkpoint (its share of the "
+        "tensors; loads at another world size, also when sharded). --resume reads either",
     )
     c.add_argument(
         "--keep-last",
@@ -270,8 +308,13 @@ class Config:
     clip_grad_norm: float | None
     warmup_steps: int
     grad_norm_warn: float
+    seq_len: int
+    width: int
+    heads: int
+    layers: int
     ckpt_dir: str | None
     ckpt_every: int | None
+    ckpt_format: str
     keep_last: int
     resume: bool
     rollback_drop: float | None
@@ -297,9 +340,24 @@ def parse_args(argv: list[str] | None = None) -> Config:
         UsageError: a value out of range, or a flag whose feature is not available yet.
     """
     cfg = Config(**vars(build_parser().parse_args(argv)))
+    if cfg.dataset is None:
+        cfg.dataset = "text" if cfg.model == "gpt" else "synthetic"
+    if (cfg.model == "gpt") != (cfg.dataset in TEXT_DATASETS):
+        fix = (
+            "--dataset text (or tokens)"
+            if cfg.model == "gpt"
+            else f"--model gpt, or an image set (--dataset {' or '.join(IMAGE_DATASETS)})"
+        )
+        raise UsageError(
+            f"--model {cfg.model} cannot train on --dataset {cfg.dataset} "
+            f"({'tokens' if cfg.model == 'gpt' else 'images'} in, "
+            f"{'images' if cfg.model == 'gpt' else 'tokens'} given); use {fix}"
+        )
     for name, flag in NEED_CKPT_DIR.items():
         if getattr(cfg, name) not in (None, False) and cfg.ckpt_dir is None:
             raise UsageError(f"{flag} needs --ckpt-dir DIR (where checkpoints are written)")
+    if cfg.ckpt_format != "file" and cfg.ckpt_dir is None:
+        raise UsageError("--ckpt-format needs --ckpt-dir DIR (where checkpoints are written)")
     positive = {
         "--epochs": cfg.epochs,
         "--batch-size": cfg.batch_size,
@@ -307,6 +365,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--train-size": cfg.train_size,
         "--test-size": cfg.test_size,
         "--log-every": cfg.log_every,
+        "--seq-len": cfg.seq_len,
+        "--width": cfg.width,
+        "--heads": cfg.heads,
+        "--layers": cfg.layers,
     }
     optional = {
         "--max-steps": cfg.max_steps,
@@ -334,11 +396,36 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise UsageError(f"--grad-norm-warn must be >= 0 (0: off), got {cfg.grad_norm_warn}")
     if cfg.num_workers is not None and cfg.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {cfg.num_workers}")
+    if cfg.width % cfg.heads:
+        raise UsageError(f"--width {cfg.width} must be a multiple of --heads {cfg.heads}")
     try:
         parse_schedule(cfg.profile_steps)
     except ValueError as err:
         raise UsageError(f"--profile-steps: {err}") from None
     return cfg
+
+
+def gpt_config(cfg: Config) -> GPTConfig:
+    """The transformer's size from ``--seq-len``, ``--width``, ``--heads`` and ``--layers``."""
+    return GPTConfig(seq_len=cfg.seq_len, width=cfg.width, heads=cfg.heads, layers=cfg.layers)
+
+
+def describe_model(cfg: Config, model: torch.nn.Module) -> str:
+    """The model's name and size, for the trainer's first line.
+
+    Example:
+        >>> cfg = parse_args(["--model", "gpt", "--layers", "1", "--width", "32"])
+        >>> from ddp_lab.models import build_model
+        >>> describe_model(cfg, build_model("gpt", gpt_config(cfg)))
+        'gpt (1 layers x 4 heads, width 32, 64 tokens; 0.03 M parameters)'
+    """
+    size = sum(p.numel() for p in model.parameters()) / 1e6
+    if cfg.model != "gpt":
+        return f"{cfg.model} ({size:.2f} M parameters)"
+    return (
+        f"gpt ({cfg.layers} layers x {cfg.heads} heads, width {cfg.width}, {cfg.seq_len} "
+        f"tokens; {size:.2f} M parameters)"
+    )
 
 
 def check_environment(cfg: Config, env: DistEnv) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -57,10 +58,19 @@ from ddp_lab.hostmem import keep_freed_memory
 from ddp_lab.models import build_model, has_batchnorm
 from ddp_lab.monitor import Clock, NormWarning, Recorder, Window
 from ddp_lab.optim import autocast, optimizer_step, warmup_schedule
-from ddp_lab.options import PROG, Config, build_parser, check_environment, parse_args
+from ddp_lab.options import (
+    PROG,
+    Config,
+    build_parser,
+    check_environment,
+    describe_model,
+    gpt_config,
+    parse_args,
+)
 from ddp_lab.profiling import StepProfiler, parse_schedule
 from ddp_lab.rollback import checkpoint
 from ddp_lab.syncbn import convert_sync_batchnorm_auto
+from ddp_lab.text import TEXT_DATASETS, perplexity
 
 __all__ = ["Config", "build_parser", "check_environment", "main", "parse_args", "train"]
 
@@ -121,7 +131,7 @@ def make_faults(cfg: Config, env: DistEnv) -> Faults:
     def rebuild() -> torch.nn.Module:  # --fault scramble: a fresh init, same on every rank
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 1)
-            return build_model(cfg.model)
+            return build_model(cfg.model, gpt_config(cfg))
 
     return Faults(cfg.fail_at_step, cfg.fault, rank, env, None, cfg.pg_timeout, rebuild)
 
@@ -156,7 +166,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
     if env.distributed and not env.is_rank0:
         dist.barrier()
     train_set, test_set = data_mod.make_datasets(
-        cfg.dataset, cfg.data_dir, cfg.train_size, cfg.test_size
+        cfg.dataset, cfg.data_dir, cfg.train_size, cfg.test_size, seq_len=cfg.seq_len
     )
     if env.distributed and env.is_rank0:
         dist.barrier()
@@ -170,7 +180,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         )
 
     # Model: same seed on every rank; DDP also broadcasts rank 0's weights at wrap time.
-    model = wrap_model(build_model(cfg.model), cfg, env)
+    model = wrap_model(build_model(cfg.model, gpt_config(cfg)), cfg, env)
     comm = CommMeter(env.world_size).attach(model) if env.distributed else None
     params = [p for p in model.parameters() if p.requires_grad]
     lr = cfg.lr * (env.world_size * cfg.accum_steps if cfg.scale_lr else 1)
@@ -181,7 +191,9 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
 
     # Resume: every rank loads the same checkpoint onto its own device.
     pos, evals, resumed = Position(), [], None
-    ckpts = Checkpoints(cfg.ckpt_dir, env, cfg.keep_last) if cfg.ckpt_dir else None
+    ckpts = None
+    if cfg.ckpt_dir:
+        ckpts = Checkpoints(cfg.ckpt_dir, env, cfg.keep_last, cfg.ckpt_format, model, optimizer)
     if cfg.resume:
         faults.at("loading the checkpoint")
         resumed = ckpts.load_latest()  # also restores this rank's RNG states
@@ -195,7 +207,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         pos = Position(resumed["step"], resumed["epoch"], resumed["epoch_samples"])
         if pos.step > 0:
             # DDP's rebuilt bucket layout, as an uninterrupted run has it by now
-            example = torch.zeros(2, *data_mod.IMAGE_SHAPE, device=env.device)
+            example = torch.stack([train_set[0][0]] * 2).to(env.device)
             settle_ddp_buckets(model, example, autocast(cfg.amp, env.device))
             if comm is not None:
                 comm.take()
@@ -215,7 +227,8 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
     recorder = Recorder(cfg, env, total_steps, pos.step if resumed else None)
     print0(
         f"{PROG}: {env.world_size} process(es), backend {env.backend}, device "
-        f"{env.device.type}; model {cfg.model}, dataset {cfg.dataset} ({len(train_set)} "
+        f"{env.device.type}; model {describe_model(cfg, unwrap(model))}, dataset {cfg.dataset} "
+        f"({len(train_set)} "
         f"train / {len(test_set)} test); {total_steps} steps of global batch {global_batch}, "
         f"lr {lr:g}"
         + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
@@ -225,6 +238,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
     )
 
     first_step, last_loss, rollbacks, pending = pos.step + 1, float("nan"), [], {}
+    language = cfg.dataset in TEXT_DATASETS  # next-token prediction: perplexity too
     clock = Clock()
     window = Window(env, clock, comm)  # between two records: no .item(), no extra collective
     norm_warning = NormWarning(cfg.grad_norm_warn, env)
@@ -254,7 +268,8 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
                 no_sync = env.distributed and not last_micro
                 with model.no_sync() if no_sync else contextlib.nullcontext():
                     with prof.range("forward"), autocast(cfg.amp, env.device):
-                        loss = torch.nn.functional.cross_entropy(model(x), y)
+                        logits = model(x).flatten(0, -2)  # (predictions, classes): 1 or T each
+                        loss = torch.nn.functional.cross_entropy(logits, y.flatten())
                     with prof.range("backward"):
                         scaler.scale(loss / cfg.accum_steps).backward()  # loss / K: a mean
                 window.loss += loss.detach().float() / cfg.accum_steps
@@ -295,6 +310,8 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
                     **pending,  # a rollback since the last record
                 }
                 pending = {}
+                if language:
+                    record["perplexity"] = perplexity(stats["loss"])
                 if scaler.is_enabled():
                     record["loss_scale"] = scaler.get_scale()
                 else:
@@ -306,11 +323,14 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
             faults.at(f"the evaluation after epoch {epoch}")
             sync_buffers(model, env)
             ev = data_mod.evaluate(unwrap(model), test_set, env)
+            if language:  # accuracy and loss per predicted token
+                ev["perplexity"] = perplexity(ev["loss"])
         evals.append({"epoch": epoch, "step": pos.step, **ev})
         recorder.scalar("eval/accuracy", ev["accuracy"], pos.step)
         print0(
             f"epoch {epoch}: step {pos.step}, test accuracy {ev['accuracy']:.4f}, "
-            f"test loss {ev['loss']:.4f}",
+            f"test loss {ev['loss']:.4f}"
+            + (f", perplexity {ev['perplexity']:.2f}" if language else ""),
             env=env,
             file=sys.stderr,
         )
@@ -336,6 +356,7 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         "final_loss": last_loss,
         "accuracy": evals[-1]["accuracy"] if evals else float("nan"),
         "test_loss": evals[-1]["loss"] if evals else float("nan"),
+        **({"perplexity": evals[-1]["perplexity"] if evals else math.nan} if language else {}),
         "steps": pos.step,
         "epochs": len(evals),
         "world_size": env.world_size,

@@ -69,14 +69,49 @@ def test_the_ranks_sums_add_up_to_every_sample_exactly_once(
 
     def record(values, env):
         handed.append(torch.as_tensor(values, dtype=torch.float64).clone())
-        return torch.ones(3, dtype=torch.float64)  # any nonzero sums: the ranks' are recorded
+        return torch.ones(4, dtype=torch.float64)  # any nonzero sums: the ranks' are recorded
 
     monkeypatch.setattr(data_mod, "all_reduce_sum", record)
     for rank in range(world_size):
         evaluate(model, data, DistEnv(rank=rank, world_size=world_size), batch_size)
-    hits, samples, loss = torch.stack(handed).sum(0).tolist()
+    hits, samples, predictions, loss = torch.stack(handed).sum(0).tolist()
     counts = [int(h[1]) for h in handed]
     assert samples == size, f"the ranks counted {counts} samples of {size}"
+    assert predictions == size  # one class per sample
     assert max(counts) - min(counts) <= 1
     assert hits == pytest.approx(whole["accuracy"] * size, abs=1e-9)
     assert loss == pytest.approx(whole["loss"] * size, rel=1e-6)
+
+
+class _Tokens(torch.nn.Module):
+    """Next-token logits of shape (batch, seq, 5): token t predicts (t + 1) % 5 with a margin
+    that grows along the sequence."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(x.shape[1], dtype=torch.float32).view(1, -1, 1)
+        return torch.nn.functional.one_hot((x + 1) % 5, 5).float() * (steps + 0.5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_sequences_count_every_predicted_token_once(monkeypatch, world_size):
+    """A sample of T tokens holds T predictions: accuracy and loss are means over all the
+    tokens of all the samples (not over samples), also when ranks read padding."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (7, 4), generator=g)
+    y = torch.where(torch.rand(7, 4, generator=g) < 0.6, (x + 1) % 5, x)  # 60 % predictable
+    logits = _Tokens()(x)
+    want_acc = (logits.argmax(-1) == y).double().mean().item()
+    want_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    handed: list[torch.Tensor] = []
+
+    def record(values, env):
+        handed.append(torch.as_tensor(values, dtype=torch.float64).clone())
+        return torch.stack(handed).sum(0) if len(handed) == world_size else values
+
+    monkeypatch.setattr(data_mod, "all_reduce_sum", record)
+    for rank in range(world_size):
+        got = evaluate(_Tokens(), TensorDataset(x, y), DistEnv(rank, 0, world_size), 2)
+    assert got["samples"] == 7
+    assert got["accuracy"] == pytest.approx(want_acc, abs=1e-12)
+    assert got["loss"] == pytest.approx(want_loss, rel=1e-6)

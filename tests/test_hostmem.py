@@ -89,6 +89,7 @@ def test_a_block_above_32_mib_faults_every_step_unless_kept(mode):
     assert MMAP_THRESHOLD > 64 << 20 and callable(keep_freed_memory)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_keeping_host_memory_changes_page_faults_not_weights(trainer):
     """cnn, 2 processes, 30 steps: --host-memory keep (the default) and release give the

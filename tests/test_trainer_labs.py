@@ -120,3 +120,23 @@ def test_make_lab3_compares_accuracy_at_scaled_learning_rates(tmp_path, capsys):
     assert two["global_batch"] == 2 * one["global_batch"] and two["steps"] == 10
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in (one, two))
     assert (out / "scaling.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_make_lab3_with_the_transformer_trains_on_text_and_says_so(tmp_path, capsys):
+    """`make lab3 LAB3_ARGS="--model gpt"`: the text is chosen (and why), each run's
+    perplexity is printed and kept, and the warm-up is a tenth of the text's steps."""
+    out = tmp_path / "lab3"
+    argv = ["--max-procs", "2", "--model", "gpt", "--train-size", "256", "--out", str(out)]
+    assert lab3.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "dataset text: --model gpt trains on Python's own documentation" in said, said
+    assert said.count("(perplexity ") >= 3, said  # two runs and the closing line
+    import json
+
+    result = json.loads((out / "scaling.json").read_text())
+    assert (result["model"], result["dataset"]) == ("gpt", "text")
+    one, two = result["runs"]
+    assert two["steps"] == 4 and two["warmup_steps"] == 1  # 256 sequences / 64 per step
+    assert all(1.0 < r["perplexity"] < 256 for r in (one, two))

@@ -60,13 +60,18 @@ from collections.abc import Mapping
 import torch
 
 from ddp_lab import options as train_options
-from ddp_lab.data import choose_dataset, cifar10_present
 from ddp_lab.errors import UsageError, exit_on_usage_error
-from ddp_lab.workloads.labrun import lab_parser, plan_hardware, read_summary, train
+from ddp_lab.workloads.labrun import (
+    dataset_for,
+    lab_parser,
+    perplexity,
+    plan_hardware,
+    read_summary,
+    train,
+    training_samples,
+)
 
 PROG = "ddp_lab.workloads.lab3"
-#: Training images of CIFAR-10.
-CIFAR10_TRAIN = 50_000
 #: Rendezvous ports of SLURM jobs: below Linux's ephemeral range (32768-60999), so that no
 #: outgoing connection holds one; two jobs share a port only if their ids differ by 10000k.
 PORT_BASE, PORT_SPAN = 20000, 10000
@@ -140,18 +145,9 @@ def scaled_lr(lr: float, processes: int, run_steps: int, scaling: str) -> tuple[
     return lr * processes, max(1, run_steps // 10)
 
 
-def pick_dataset(args: argparse.Namespace, data_dir: str) -> tuple[str, str]:
-    """``(dataset, why)``: as asked, else CIFAR-10 when present (or downloadable unless
-    ``--offline`` or ``--dry-run``), else the synthetic set."""
-    if args.dataset != "auto":
-        return args.dataset, f"--dataset {args.dataset} asked for"
-    if (args.offline or args.dry_run) and not cifar10_present(data_dir):
-        flag = "--offline" if args.offline else "--dry-run"
-        return "synthetic", (
-            f"CIFAR-10 is not in {data_dir!r} ({flag}: no download tried); using the "
-            "generated CIFAR-shaped set instead"
-        )
-    return choose_dataset(data_dir)
+def no_download(args: argparse.Namespace) -> str | None:
+    """The flag that forbids downloading CIFAR-10 (``--offline``, ``--dry-run``), if any."""
+    return "--offline" if args.offline else "--dry-run" if args.dry_run else None
 
 
 # --------------------------------------------------------------------------- SLURM
@@ -227,7 +223,7 @@ def plan_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> dict:
     backend = environ.get("DDP_LAB_BACKEND") or ("nccl" if gpus else "gloo")
     gpu = backend == "nccl"
     data_dir = os.path.abspath(args.data_dir)
-    dataset, data_reason = pick_dataset(args, data_dir)
+    dataset, data_reason = dataset_for(args, data_dir, no_download(args))
     stage = environ.get("DDP_LAB_STAGE") if dataset == "cifar10" else None
     out = os.path.abspath(args.out or os.path.join("results", f"lab3-slurm-{job}"))
     flags = ["--dataset", dataset, "--data-dir", os.path.abspath(stage) if stage else data_dir]
@@ -380,11 +376,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     counts, backend, hw_reason = plan_hardware(args.max_procs)
     gpu = backend == "nccl"
     out_dir = args.out or os.path.join("results", "lab3")
-    dataset, data_reason = pick_dataset(args, args.data_dir)
+    dataset, data_reason = dataset_for(args, args.data_dir, no_download(args))
     model = args.model or ("resnet18" if gpu else "cnn")
     batch = args.batch_size or (128 if gpu else 32)
     steps = args.max_steps or (200 if gpu else None)
-    train_samples = args.train_size if dataset == "synthetic" else CIFAR10_TRAIN
+    train_samples = training_samples(dataset, args.train_size)
     print(f"{PROG}: {hw_reason}", flush=True)
     print(f"{PROG}: dataset {dataset}: {data_reason}", flush=True)
     print(
@@ -423,13 +419,13 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"{PROG}: training with {n} process(es) at lr {lr:g} ...", flush=True)
         train(f"{n}-process", flags, n, args.timeout)
         s = read_summary(out)
-        keep = ("samples_per_s", "seconds", "accuracy", "steps", "global_batch")
+        keep = ("samples_per_s", "seconds", "accuracy", "perplexity", "steps", "global_batch")
         records.append(
-            {"processes": n, "lr": lr, "warmup_steps": warmup, **{k: s[k] for k in keep}}
+            {"processes": n, "lr": lr, "warmup_steps": warmup, **{k: s[k] for k in keep if k in s}}
         )
         print(
             f"{PROG}:   {n} process(es): {s['samples_per_s']:.0f} samples/s, "
-            f"test accuracy {s['accuracy']:.3f} after {s['steps']} steps of "
+            f"test accuracy {s['accuracy']:.3f}{perplexity(s)} after {s['steps']} steps of "
             f"{s['global_batch']} samples, {s['seconds']:.1f} s",
             flush=True,
         )
@@ -466,7 +462,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     print(
         f"{PROG}: {top['processes']} process(es) ran at {top['speedup']:.2f}x the 1-process "
         f"throughput (efficiency {top['efficiency']:.0%}) and reached test accuracy "
-        f"{top['accuracy']:.3f} against {first['accuracy']:.3f} in {top['steps']} steps "
+        f"{top['accuracy']:.3f}{perplexity(top)} against {first['accuracy']:.3f}"
+        f"{perplexity(first)} in {top['steps']} steps "
         f"against {first['steps']}; see {out_dir}/scaling.png",
         flush=True,
     )

@@ -14,9 +14,14 @@ import os
 
 import torch
 
-from ddp_lab.data import choose_dataset
+from ddp_lab.data import choose_dataset, cifar10_present
 from ddp_lab.errors import UsageError
 from ddp_lab.launch import LaunchError, LaunchResult, torchrun
+from ddp_lab.options import DATASETS, build_parser
+from ddp_lab.text import make_text_datasets
+
+#: Training images of CIFAR-10.
+CIFAR10_TRAIN = 50_000
 
 
 def plan_hardware(max_procs: int | None = None) -> tuple[list[int], str, str]:
@@ -66,9 +71,10 @@ def lab_parser(
     p.add_argument("--data-dir", default="data", help="where CIFAR-10 is (or goes)")
     p.add_argument(
         "--dataset",
-        choices=["auto", "synthetic", "cifar10"],
+        choices=["auto", *DATASETS],
         default="auto",
-        help="auto: CIFAR-10 when present or downloadable, synthetic otherwise",
+        help="auto: text for --model gpt (Python's documentation as byte tokens); else "
+        "CIFAR-10 when present or downloadable, synthetic otherwise",
     )
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--train-size", type=int, default=10_000, help="synthetic training samples")
@@ -77,12 +83,52 @@ def lab_parser(
     return p
 
 
-def dataset_for(args: argparse.Namespace) -> tuple[str, str]:
-    """``(dataset, why)``: ``--dataset`` when given, else CIFAR-10 when present or
-    downloadable, else the synthetic set."""
+def dataset_for(
+    args: argparse.Namespace, data_dir: str | None = None, no_download: str | None = None
+) -> tuple[str, str]:
+    """``(dataset, why)``: ``--dataset`` when given; the text for ``--model gpt``; else
+    CIFAR-10 when present in ``data_dir`` (default ``args.data_dir``) or downloadable (not
+    tried when ``no_download`` names the flag that forbids it), else the synthetic set."""
+    data_dir = data_dir or args.data_dir
     if args.dataset != "auto":
         return args.dataset, f"--dataset {args.dataset} asked for"
-    return choose_dataset(args.data_dir)
+    if args.model == "gpt":
+        return "text", (
+            "--model gpt trains on Python's own documentation (pydoc_data.topics, about "
+            "465 KB of English) as byte tokens: nothing to download"
+        )
+    if no_download and not cifar10_present(data_dir):
+        return "synthetic", (
+            f"CIFAR-10 is not in {data_dir!r} ({no_download}: no download tried); using the "
+            "generated CIFAR-shaped set instead"
+        )
+    return choose_dataset(data_dir)
+
+
+def training_samples(dataset: str, train_size: int) -> int:
+    """Samples in one epoch of ``dataset`` (a warm-up's length depends on it).
+
+    Example:
+        >>> training_samples("synthetic", 10_000), training_samples("cifar10", 10_000)
+        (10000, 50000)
+    """
+    if dataset == "cifar10":
+        return CIFAR10_TRAIN
+    if dataset == "text":  # sequences of the trainer's default --seq-len, at most train_size
+        seq_len = build_parser().get_default("seq_len")
+        return len(make_text_datasets(dataset, seq_len, train_size, 1)[0])
+    return train_size
+
+
+def perplexity(run: dict) -> str:
+    """``" (perplexity P)"`` for a run on text (next-token accuracy alone says little),
+    else nothing.
+
+    Example:
+        >>> perplexity({"perplexity": 9.87}), perplexity({})
+        (' (perplexity 9.87)', '')
+    """
+    return f" (perplexity {run['perplexity']:.2f})" if "perplexity" in run else ""
 
 
 def train(
