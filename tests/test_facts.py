@@ -444,6 +444,43 @@ def test_cuda_autocast_keeps_softmax_norms_and_sums_in_float32_and_the_cpu_does_
     assert not wanted & cpu and {"poisson_nll_loss", "triplet_margin_loss"} <= cpu
 
 
+def _attention_inputs(score: float, d: int = 32, seq: int = 8):
+    """q and k whose largest scaled score ``q . k / sqrt(d)`` is ``score`` (one pair)."""
+    q, k, v = torch.zeros(1, 1, seq, d), torch.zeros(1, 1, seq, d), torch.randn(1, 1, seq, d)
+    q[..., 0] = k[..., 0] = math.sqrt(score * math.sqrt(d))  # q . k = score * sqrt(d)
+    return q, k, v
+
+
+def test_fp16_attention_written_out_overflows_in_the_unscaled_product():
+    """Lab 5, section 7: under CPU float16 autocast ``q @ k.T`` returns float16, so a product
+    above 65504 is inf before the ``1 / sqrt(d)`` and the softmax row becomes NaN, although
+    the scaled score (a sqrt(d) times smaller) would fit; bfloat16 keeps it finite."""
+    assert torch.finfo(torch.float16).max == 65504.0
+    q, k, _ = _attention_inputs(2e4)  # product 1.13e5 > 65504 > score 2e4
+    for dtype, finite in ((torch.float16, False), (torch.bfloat16, True)):
+        with torch.autocast("cpu", dtype=dtype):
+            raw = q @ k.transpose(-2, -1)
+            weights = torch.softmax(raw * (1 / math.sqrt(32)), dim=-1)
+        assert raw.dtype == dtype and bool(raw.isfinite().all()) is finite
+        assert bool(weights.isfinite().all()) is finite
+    assert float((q @ k.transpose(-2, -1)).max()) / math.sqrt(32) == pytest.approx(2e4)
+
+
+def test_fused_attention_in_float16_on_the_cpu_stays_finite_past_65504():
+    """Lab 5, section 7: F.scaled_dot_product_attention on float16 CPU tensors, with its math
+    and its flash kernel, returns finite float16 output for scores of 2.6e5 (it does not
+    hold the scores in float16), where the written-out form is NaN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.half() for t in _attention_inputs(2.6e5))
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert out.dtype == torch.float16 and bool(out.isfinite().all()), backend
+    written = torch.softmax((q @ k.transpose(-2, -1)) * (1 / math.sqrt(32)), -1)
+    assert not bool(written.isfinite().all())
+
+
 # --- GradScaler (torch/amp/grad_scaler.py) ---------------------------------------------------
 
 

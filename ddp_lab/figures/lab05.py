@@ -326,3 +326,54 @@ def precision_runs(
     curves.set_title("Same model, data and seed: the curves overlap", fontsize=10)
     curves.legend(fontsize=8)
     return _done(fig)
+
+
+def attention_overflow(rows: Sequence[Mapping[str, float]], fp16_max: float = 65504.0) -> Figure:
+    """The largest attention score against the growth of the inputs, and what each
+    precision made of the attention's output.
+
+    Args:
+        rows: one per scale ``s`` of the block's input: ``{"s", "raw", "score", "fp16_bad",
+            "fp16_err", "bf16_err"}``: the largest ``|q . k|`` before the ``1/sqrt(d)``, the
+            largest score after it (both float32), the fraction of float16 outputs that are
+            not finite, and the relative error of the float16 and bfloat16 outputs against
+            float32 (NaN where not finite).
+        fp16_max: float16's largest finite number.
+
+    Example:
+        >>> rows = [{"s": 1, "raw": 1.4, "score": 0.25, "fp16_bad": 0.0, "fp16_err": 5e-4,
+        ...          "bf16_err": 4e-3}, {"s": 256, "raw": 9e4, "score": 1.6e4,
+        ...          "fp16_bad": 0.06, "fp16_err": float("nan"), "bf16_err": 0.09}]
+        >>> len(attention_overflow(rows).axes)
+        2
+    """
+    fig, (scores, errors) = plt.subplots(1, 2, figsize=(10, 3.6))
+    s = [r["s"] for r in rows]
+    scores.plot(
+        s, [r["raw"] for r in rows], "o-", color=COLORS[1], label="|q . k|, before 1/sqrt(d)"
+    )
+    scores.plot(s, [r["score"] for r in rows], "o-", color=COLORS[0], label="|score|, after it")
+    scores.axhline(fp16_max, color=COLORS[3], ls="--", lw=1, label="float16's largest: 65504")
+    broken = [r["s"] for r in rows if r["fp16_bad"] > 0]
+    if broken:
+        scores.axvspan(min(broken), max(s), color=COLORS[3], alpha=0.08)
+        scores.text(min(broken), fp16_max / 300, " float16\n output\n not finite", fontsize=8)
+    scores.set_xscale("log", base=2)
+    scores.set_yscale("log")
+    scores.set_xlabel("scale s of the block's input")
+    scores.set_ylabel("largest value (float32)")
+    scores.set_title("Attention scores grow as s squared", fontsize=10)
+    scores.legend(fontsize=7, loc="upper left")
+    for key, label, color in (
+        ("fp16_err", "float16", COLORS[3]),
+        ("bf16_err", "bfloat16", COLORS[2]),
+    ):
+        kept = [r for r in rows if math.isfinite(r[key])]  # a NaN error is not drawn
+        errors.plot([r["s"] for r in kept], [r[key] for r in kept], "o-", color=color, label=label)
+    errors.set_xscale("log", base=2)
+    errors.set_yscale("log")
+    errors.set_xlabel("scale s of the block's input")
+    errors.set_ylabel("relative error of the output")
+    errors.set_title("Output against float32", fontsize=10)
+    errors.legend(fontsize=8)
+    return _done(fig)
