@@ -725,6 +725,22 @@ def test_torchrun_restarts_nothing_by_default_and_polls_every_tenth_of_a_second(
     assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).max_restarts == 3
 
 
+# --- torch.distributed.checkpoint (torch/distributed/checkpoint/state_dict_saver.py) -----------
+
+
+def test_dcp_async_save_writes_in_a_thread_by_default_and_returns_a_future():
+    """Lab 6, section 7: ``async_save`` returns once the state is staged and writes in a
+    background thread (``AsyncCheckpointerType.THREAD``, its default); the caller waits on
+    the returned future before the next save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    default = inspect.signature(dcp.async_save).parameters["async_checkpointer_type"].default
+    assert default is AsyncCheckpointerType.THREAD
+    doc = " ".join((dcp.async_save.__doc__ or "").split())
+    assert "Future" in doc
+
+
 # --- torch.save / torch.load --------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from ddp_lab.figures.style import done as _done
 __all__ = [
     "atomic_write",
     "checkpoint_contents",
+    "dcp_reshard",
     "hang_timeline",
     "restart_timeline",
     "resume_divergence",
@@ -252,6 +253,75 @@ def hang_timeline(sequences: Mapping[int, Sequence[str]], title: str = "") -> Fi
     ax.set_title(
         title
         or "Collectives pair up by position: blue agrees, orange mismatched, red has no partner",
+        fontsize=10,
+    )
+    return _done(fig)
+
+
+def _chunks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of ``torch.chunk``'s pieces of ``rows`` rows (FSDP2's shards)."""
+    bounds, start = [], 0
+    for piece in torch.arange(rows).chunk(parts):
+        bounds.append((start, start + len(piece)))
+        start += len(piece)
+    return bounds
+
+
+def dcp_reshard(saved: int = 2, loaded: int = 3, rows: int = 256) -> Figure:
+    """A sharded parameter saved by ``saved`` ranks with ``torch.distributed.checkpoint`` and
+    loaded by ``loaded`` ranks: each rank writes its own rows into its own file, and each
+    new rank reads its new rows from whichever files hold them (``.metadata`` says where).
+
+    Example:
+        >>> len(dcp_reshard().axes)
+        1
+    """
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    scale = 4.0 / rows  # rows -> height
+    old, new = _chunks(rows, saved), _chunks(rows, loaded)
+    for r, (a, b) in enumerate(old):
+        y = 4.0 - b * scale
+        _box(
+            ax,
+            0.0,
+            y,
+            1.6,
+            (b - a) * scale - 0.06,
+            f"rank {r}\nrows {a}-{b - 1}",
+            COLORS[r],
+            0.3,
+            8,
+        )
+        _box(
+            ax,
+            3.2,
+            y,
+            1.8,
+            (b - a) * scale - 0.06,
+            f"__{r}_0.distcp\nrows {a}-{b - 1}",
+            COLORS[r],
+            0.15,
+            8,
+        )
+        _arrow(
+            ax, (1.65, y + (b - a) * scale / 2), (3.15, y + (b - a) * scale / 2), color=COLORS[r]
+        )
+    ax.text(4.1, 4.25, ".metadata: which rows are in which file", ha="center", fontsize=8)
+    for r, (a, b) in enumerate(new):
+        y = 4.0 - b * scale
+        _box(ax, 6.6, y, 1.6, (b - a) * scale - 0.06, f"rank {r}\nrows {a}-{b - 1}", GREY, 0.2, 8)
+        for f, (fa, fb) in enumerate(old):  # the files this new rank reads from
+            lo, hi = max(a, fa), min(b, fb)
+            if lo < hi:
+                mid = 4.0 - (lo + hi) / 2 * scale
+                _arrow(ax, (5.05, mid), (6.55, mid), color=COLORS[f])
+    ax.text(0.8, -0.45, f"saved on {saved} ranks (each writes)", ha="center", fontsize=9)
+    ax.text(7.4, -0.45, f"loaded on {loaded} ranks (each reads)", ha="center", fontsize=9)
+    ax.set_xlim(-0.2, 8.4)
+    ax.set_ylim(-0.7, 4.5)
+    ax.axis("off")
+    ax.set_title(
+        f"One sharded parameter of {rows} rows: written by {saved} ranks, resharded onto {loaded}",
         fontsize=10,
     )
     return _done(fig)
