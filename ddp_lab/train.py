@@ -356,7 +356,6 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         "final_loss": last_loss,
         "accuracy": evals[-1]["accuracy"] if evals else float("nan"),
         "test_loss": evals[-1]["loss"] if evals else float("nan"),
-        **({"perplexity": evals[-1]["perplexity"] if evals else math.nan} if language else {}),
         "steps": pos.step,
         "epochs": len(evals),
         "world_size": env.world_size,
@@ -381,6 +380,8 @@ def train(cfg: Config, env: DistEnv, faults: Faults | None = None) -> dict:
         "evals": evals,
         "config": asdict(cfg),
     }
+    if language:
+        summary["perplexity"] = evals[-1]["perplexity"] if evals else math.nan
     if env.is_rank0:
         save_atomic(unwrap(model).state_dict(), os.path.join(cfg.out, "model.pt"))
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
