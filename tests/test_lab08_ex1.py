@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import doctest
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +305,45 @@ def test_the_cells():
     for m in answers.MISTAKES:
         assert m.source.startswith(answers.PRELUDE + answers.HEADER)
     assert answers.MISTAKES[0].name == "typical"
+
+
+def _crash(code: int):
+    """A LaunchFailed as torchrun reports a worker that died of signal ``-code``."""
+    from ddp_lab.launch import LaunchFailed, LaunchResult
+
+    agent = f"Root Cause (first observed failure):\n[0]:\n  rank      : 0\n  exitcode  : {code}\n"
+    return LaunchFailed("a worker died", LaunchResult(1, {-1: agent}, None, 1.0, ["torchrun"]))
+
+
+@pytest.mark.parametrize(
+    "codes,launches,fails",
+    [((-11,), 2, False), ((-6, -11), 3, False), ((-11, -11, -6), 3, True), ((1,), 1, True)],
+)
+def test_a_recording_killed_by_the_profiler_is_recorded_again(monkeypatch, codes, launches, fails):
+    """jobs.launch runs a launch again when a worker died of SIGSEGV or SIGABRT (the
+    profiler's rare crash in the grader's own jobs), twice at most; any other failure (an
+    exit code) is raised at once."""
+    import ddp_lab.launch
+    from ddp_lab.checks.lab08 import jobs
+
+    calls = []
+
+    def fake_torchrun(target, args, **kwargs):
+        calls.append(target)
+        if len(calls) <= len(codes):
+            raise _crash(codes[len(calls) - 1])
+        specs = torch.load(Path(args[0]), weights_only=True)
+        for rank in range(max(s["world_size"] for s in specs)):
+            torch.save([[{"name": "x", "ph": "X"}]] * len(specs), Path(args[1]) / f"rank{rank}.pt")
+
+    monkeypatch.setattr(ddp_lab.launch, "torchrun", fake_torchrun)
+    monkeypatch.setattr(jobs, "_RECORDED", {})
+    specs = [{"world_size": 2, "cap": 1.0, "slow": 0, "active": 1, "seed": len(codes)}]
+    if fails:
+        with pytest.raises(ddp_lab.launch.LaunchFailed):
+            jobs.launch("ddp_lab.checks.lab08.trace_jobs", specs)
+    else:
+        assert jobs.launch("ddp_lab.checks.lab08.trace_jobs", specs)[0][0] == [
+            {"name": "x", "ph": "X"}
+        ]
+    assert len(calls) == launches
