@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,12 @@ class GPT(nn.Module):
     Args:
         cfg: the sizes (:class:`GPTConfig`).
 
+    Attributes:
+        checkpoint_blocks: when True, every block runs under activation checkpointing
+            (``torch.utils.checkpoint.checkpoint``, non-reentrant): it keeps only its input
+            for the backward pass and runs its forward again there. Same results, less
+            memory, more time (lab 7 measures both).
+
     Example:
         >>> model = GPT(GPTConfig(seq_len=8, width=16, heads=2, layers=1))
         >>> model(torch.zeros(3, 8, dtype=torch.long)).shape
@@ -126,6 +133,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+        self.checkpoint_blocks = False
         self.apply(_init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual outputs
             if name.endswith("proj.weight"):
@@ -138,7 +146,7 @@ class GPT(nn.Module):
         positions = torch.arange(seq, device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         return self.head(self.ln_f(x))
 
 

@@ -1085,6 +1085,103 @@ def test_the_collectives_the_lab_names_exist_and_want_equal_sizes():
         assert "same size" in doc, name
 
 
+# --- activations (section 7) ---------------------------------------------------------------
+
+
+def _block(seq: int, width: int, heads: int, device: str = "cpu"):
+    from ddp_lab.gpt import Block, GPTConfig
+
+    with torch.device(device):
+        return Block(GPTConfig(seq_len=seq, width=width, heads=heads, layers=1))
+
+
+def test_autograd_keeps_what_the_activation_formula_counts_over_many_sizes():
+    """Exercise 5's reference (``e (16 B T C + B H T^2 + 4 B T) + T^2``) against
+    ``saved_tensors_hooks`` on real blocks: LayerNorm keeps its mean and 1/std, the batched
+    matmuls keep contiguous copies of the transposed heads, ``masked_fill`` keeps the bool
+    mask, softmax's output is kept once. A torch that saves otherwise turns this red."""
+    from ddp_lab.parallel.memory import saved_bytes
+
+    for b, t, c, h, dtype in [
+        (1, 1, 8, 1, torch.float32),
+        (3, 5, 24, 4, torch.float32),
+        (2, 16, 24, 8, torch.float64),
+        (1, 7, 12, 3, torch.float64),
+    ]:
+        block = _block(t, c, h).to(dtype)
+        x = torch.randn(b, t, c, dtype=dtype, requires_grad=True)
+        want = lab07_ref.activation_bytes(b, t, c, h, dtype.itemsize)
+        assert saved_bytes(block, x) == want
+
+
+def test_a_gpt2_small_block_keeps_0_81_gb_at_1024_tokens_seven_times_its_model_states():
+    """Section 7's figures: width 768, 12 heads, batch 8, 1,024 tokens, float32, measured on
+    the meta device; 12 blocks 9.7 GB; GPT-2 small's 124 M parameters (tied embeddings) at
+    16 bytes: 2.0 GB."""
+    from ddp_lab.parallel.memory import saved_bytes
+
+    block = _block(1024, 768, 12, "meta")
+    kept = saved_bytes(block, torch.empty(8, 1024, 768, device="meta", requires_grad=True))
+    states = 16 * sum(p.numel() for p in block.parameters())
+    gpt2_small = 12 * sum(p.numel() for p in block.parameters()) + (50257 + 1024) * 768 + 2 * 768
+    assert round(kept / 1e9, 2) == 0.81 and round(states / 1e6) == 113
+    assert round(kept / states) == 7 and round(12 * kept / 1e9, 1) == 9.7
+    assert round(gpt2_small / 1e6) == 124 and round(16 * gpt2_small / 1e9, 1) == 2.0
+    text = _lab07_text()
+    for said in ("0.81 GB", "113 MB", "9.7 GB", "2.0 GB", "124 M"):
+        assert said in text
+
+
+def test_a_checkpointed_block_keeps_its_input_only_and_gives_the_same_gradients():
+    """``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` as ``GPT`` uses it:
+    the outer graph keeps the block's input, nothing else; the written answer's numbers for
+    4 blocks (width 128, 8 heads, batch 8 x 128 tokens)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from ddp_lab.gpt import GPT, GPTConfig
+    from ddp_lab.parallel.memory import saved_tensors
+
+    assert callable(create_selective_checkpoint_contexts)
+    block = _block(8, 16, 2)
+    x = torch.randn(3, 8, 16, requires_grad=True)
+    rows = saved_tensors(
+        lambda t: checkpoint(block, t, use_reentrant=False), x, exclude=block.parameters()
+    )
+    assert [(r["shape"], r["bytes"]) for r in rows] == [((3, 8, 16), 3 * 8 * 16 * 4)]
+
+    from ddp_lab.parallel.memory import saved_bytes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=128, width=128, heads=8, layers=4))
+    tokens = torch.randint(0, 256, (8, 128))
+    targets = torch.randint(0, 256, (8, 128))
+    kept, grads = {}, {}
+    for ckpt in (False, True):
+        model.checkpoint_blocks = ckpt
+        kept[ckpt] = saved_bytes(model, tokens)
+        model.zero_grad()
+        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        grads[ckpt] = [p.grad.clone() for p in model.parameters()]
+    assert kept == {False: 51_528_704, True: 3_163_136}
+    assert lab07_ref.activation_bytes(8, 128, 128, 8, 4) == 12_615_680
+    assert kept[False] - 4 * 12_615_680 == kept[True] - 4 * 524_288 == 1_065_984
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True], strict=True))
+    text = _lab07_text()
+    for said in ("12,615,680", "50,462,720", "524,288", "51,528,704", "3,163,136", "1,065,984"):
+        assert said in text
+
+
+def test_fused_attention_keeps_q_k_v_its_output_and_a_logsumexp_per_row_not_t_by_t():
+    """``F.scaled_dot_product_attention`` (causal, float32, CPU): no ``T x T`` tensor saved."""
+    from ddp_lab.parallel.memory import saved_tensors
+
+    q, k, v = (torch.randn(2, 4, 64, 8, requires_grad=True) for _ in range(3))
+    rows = saved_tensors(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    shapes = sorted(r["shape"] for r in rows)
+    assert shapes == sorted([(2, 4, 64, 8)] * 4 + [(2, 4, 64)])
+    assert "one number per row" in _lab07_text()
+
+
 # ===============================================================================================
 # Lab 8: profiling, compression, FLOPs
 # ===============================================================================================

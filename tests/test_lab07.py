@@ -41,6 +41,7 @@ from ddp_lab.checks.lab07 import ex1_memory as ex1
 from ddp_lab.checks.lab07 import ex2_zero as ex2
 from ddp_lab.checks.lab07 import ex3_pipeline as ex3
 from ddp_lab.checks.lab07 import ex4_tensor_parallel as ex4
+from ddp_lab.checks.lab07 import ex5_activations as ex5
 from ddp_lab.checks.runner import STUB, namespace, run_ranks
 from ddp_lab.checks.values import plain
 from ddp_lab.parallel import hybrid, memory, timeline
@@ -120,6 +121,14 @@ def test_every_draw_holds_every_edge_case():
         assert no_bias == {"column", "row"}, "a column and a row layer without bias"
         assert any(s["kind"] == "row" and s["fc1"]["bias"] is not None for s in subs)
 
+        acts = _inputs("test_ex5_activations", seed)["cases"]
+        assert {c["bytes"] for c in acts} == {4, 8}
+        assert any(c["batch"] == c["seq"] == c["heads"] == 1 for c in acts), "one token, one head"
+        assert any(c["batch"] == 1 < c["seq"] for c in acts) and any(c["batch"] > 1 for c in acts)
+        assert any(c["heads"] == 1 < c["seq"] for c in acts) and any(c["heads"] > 1 for c in acts)
+        assert all(c["width"] % c["heads"] == 0 for c in acts)
+        assert max(ex5.oracle(c) for c in acts) > 5e9, "a GPT-2-sized block of several GB"
+
 
 # --- judges over 200 draws (outputs built without student processes) ------------------------
 
@@ -134,6 +143,37 @@ def test_memory_judge_accepts_the_reference_and_rejects_every_mistake_every_draw
         right = _saved(ex1.run({"memory_per_rank": ref.memory_per_rank}, inputs, None))
         wrongs = {n: _saved(ex1.run(ns, inputs, None)) for n, ns in mistakes.items()}
         assert_verdicts(_judge(gid), seed, inputs, right, wrongs)
+
+
+def test_activations_judge_accepts_the_reference_and_names_every_mistake_every_draw():
+    """Every draw: the reference passes; every arithmetic mistake fails with its own reason
+    (the measuring one is refused before any judge: ``test_activation_bytes_that_...``)."""
+    gid = "test_ex5_activations"
+    mistakes = [
+        m for m in MISTAKES if m.cell == "ex5_activations" and "import torch" not in m.source
+    ]
+    assert len(mistakes) >= 8
+    spaces = {m.name: namespace({m.cell: m.source}, [m.cell]) for m in mistakes}
+    judge = _judge(gid)
+    for seed in SEEDS:
+        inputs = _inputs(gid, seed)
+        judge(inputs, _saved(ex5.run({"activation_bytes": ref.activation_bytes}, inputs, None)))
+        for m in mistakes:
+            with pytest.raises(CheckFailed, match=m.reason.replace("/", ".")):
+                judge(inputs, _saved(ex5.run(spaces[m.name], inputs, None)))
+
+
+def test_activation_bytes_that_builds_or_measures_tensors_is_refused_with_one_message():
+    """The function runs with PyTorch refused: a block built on the meta device and
+    measured, or a formula computed in tensors, fails the visible check with the reason."""
+    cheat = next(m for m in MISTAKES if m.name == "measures_a_block")
+    fn = namespace({cheat.cell: cheat.source}, [cheat.cell])["activation_bytes"]
+    with pytest.raises(CheckFailed, match=cheat.reason):
+        checks.activations(fn)
+    with pytest.raises(CheckFailed, match="not build or measure tensors"):
+        checks.activations(lambda b, t, c, h, e: int(torch.tensor(e * b * t * c) * 16))
+    with pytest.raises(CheckFailed, match="expected a whole number of bytes, got a str"):
+        checks.activations(lambda *sizes: "many")
 
 
 def _summed(spec: dict) -> list[list[torch.Tensor | None]]:
@@ -411,6 +451,14 @@ def test_a_row_layer_that_assumes_a_bias_raises_on_the_bias_less_case_with_its_r
 
 
 # --- visible checks ---------------------------------------------------------------------------
+
+
+def test_visible_activations_check_passes_the_solution_and_fails_a_mistake(capsys):
+    checks.activations(namespace(SOURCES, ["ex5_activations"])["activation_bytes"])
+    assert "matches the bytes measured" in capsys.readouterr().out
+    bad = next(m for m in MISTAKES if m.name == "scores_and_weights")
+    with pytest.raises(CheckFailed, match="should be 16,345 bytes"):
+        checks.activations(namespace({bad.cell: bad.source}, [bad.cell])["activation_bytes"])
 
 
 def test_visible_memory_check_passes_the_solution_and_names_a_mistake(capsys):

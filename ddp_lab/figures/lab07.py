@@ -330,3 +330,48 @@ def hybrid_plans(plans: Mapping[str, Mapping]) -> Figure:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     return _done(fig)
+
+
+def activation_growth(
+    width: int = 768, heads: int = 12, batch: int = 8, seqs: Sequence[int] = ()
+) -> Figure:
+    """Bytes one transformer block (``ddp_lab.gpt.Block``, float32) keeps for its backward,
+    measured on the meta device over sequence lengths, against the block's model states
+    under AdamW (16 bytes a parameter) and against what a checkpointed block keeps (its
+    input, measured through ``torch.utils.checkpoint`` the same way).
+
+    Example:
+        >>> len(activation_growth(width=16, heads=2, batch=2, seqs=(4, 8)).axes)
+        1
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from ddp_lab.gpt import Block, GPTConfig
+    from ddp_lab.parallel.memory import saved_bytes
+
+    seqs = list(seqs) or [2**k for k in range(6, 14)]
+    kept, ckpt = [], []
+    with torch.device("meta"):
+        for t in seqs:
+            block = Block(GPTConfig(seq_len=t, width=width, heads=heads, layers=1))
+            x = torch.empty(batch, t, width, requires_grad=True)
+            kept.append(saved_bytes(block, x))
+            ckpt.append(
+                saved_bytes(
+                    lambda x, block=block: checkpoint(block, x, use_reentrant=False),
+                    x,
+                    exclude=block.parameters(),
+                )
+            )
+    states = 16 * sum(p.numel() for p in block.parameters())
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    ax.loglog(seqs, kept, "o-", color=COLORS[0], label="activations kept by the block")
+    ax.loglog(seqs, ckpt, "s--", color=COLORS[2], label="checkpointed block (its input only)")
+    ax.axhline(states, color=GREY, lw=1.2, label="the block's params + grads + AdamW (16 B each)")
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel("bytes per block")
+    ax.set_title(f"One block, width {width}, {heads} heads, batch {batch}, float32 (measured)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, which="major", alpha=0.3)
+    return _done(fig)

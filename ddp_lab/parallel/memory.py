@@ -1,6 +1,6 @@
 """How many bytes tensors hold on this rank: measured, not computed.
 
-Three measures, each a sum of ``numel * element_size`` over real tensors (for a sharded
+Four measures, each a sum of ``numel * element_size`` over real tensors (for a sharded
 ``DTensor``, FSDP's parameters and gradients, only this rank's local part):
 
 - :func:`model_bytes`: a model's parameters and gradients;
@@ -9,7 +9,11 @@ Three measures, each a sum of ``numel * element_size`` over real tensors (for a 
 - :func:`held_bytes`: every tensor reachable from any Python object (its attributes, lists,
   dicts, inner optimizers), counted by *storage*: a slice of a large tensor keeps the
   whole tensor alive, so it counts the whole; tensors named in ``exclude`` (the model's own
-  parameters and gradients) do not count.
+  parameters and gradients) do not count;
+- :func:`saved_tensors` / :func:`saved_bytes`: the activations autograd keeps for the
+  backward pass of one call (``module(x)``), caught as they are saved
+  (``torch.autograd.graph.saved_tensors_hooks``), each storage once, the module's
+  parameters left out. Works on the ``meta`` device too (sizes without memory).
 
 Example:
     >>> import torch
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -127,3 +131,47 @@ def held_bytes(obj, exclude: Iterable[torch.Tensor] = ()) -> int:
 
     visit(obj, 0)
     return sum(seen_storages.values())
+
+
+def saved_tensors(fn: Callable, *args, exclude: Iterable[torch.Tensor] = ()) -> list[dict]:
+    """What autograd keeps for the backward pass of ``fn(*args)``: one row per distinct
+    storage, in the order the forward saved them, ``{"shape", "dtype", "bytes", "times"}``
+    (``bytes`` of the whole storage; ``times``: how often it was saved, by one or several
+    operations). The parameters of ``fn`` (when it is a module) and the ``exclude`` tensors
+    are not activations and are left out.
+
+    Example:
+        >>> layer = nn.Linear(4, 3)
+        >>> x = torch.zeros(2, 4, requires_grad=True)
+        >>> [(r["shape"], r["bytes"]) for r in saved_tensors(lambda t: layer(t).relu(), x,
+        ...                                                  exclude=layer.parameters())]
+        [((2, 4), 32), ((2, 3), 24)]
+    """
+    params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+    skip = {t.untyped_storage()._cdata for t in [*params, *exclude]}
+    rows: dict[int, dict] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata  # the storage itself: views share it (and on meta, too)
+        if key not in skip:
+            row = rows.setdefault(
+                key, {"shape": tuple(t.shape), "dtype": t.dtype, "bytes": storage.nbytes()}
+            )
+            row["times"] = row.get("times", 0) + 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return list(rows.values())
+
+
+def saved_bytes(fn: Callable, *args, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of every storage autograd keeps for the backward of ``fn(*args)``, each once,
+    parameters left out (:func:`saved_tensors`).
+
+    Example:
+        >>> saved_bytes(torch.sigmoid, torch.zeros(10, requires_grad=True))  # its output
+        40
+    """
+    return sum(row["bytes"] for row in saved_tensors(fn, *args, exclude=exclude))

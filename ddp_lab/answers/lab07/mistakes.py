@@ -3,14 +3,15 @@
 Each source replaces the whole solution cell, as a student would write it (not an edit of
 the reference). The first of each exercise is the sample class's ``mistake`` student's; each
 must fail its own exercise with its ``reason`` in the verdict: ``MISTAKES`` on the grader's
-path (``tests/test_mistakes.py``: in this process for exercise 1, in grader rounds for the
-distributed ones), ``MORE_MISTAKES`` in ``tests/test_lab07.py`` (a gloo job per exercise).
-More in ``mistakes_comm.py``, and ``mistakes_tp.py`` (exercise 4's second: it raises).
+path (``tests/test_mistakes.py``: in this process for exercises 1 and 5, in grader rounds
+for the distributed ones), ``MORE_MISTAKES`` in ``tests/test_lab07.py`` (a gloo job per
+exercise). More in ``mistakes_comm.py``, ``mistakes_tp.py`` and ``mistakes_act.py``.
 """
 
 from __future__ import annotations
 
 from ddp_lab.answers import Mistake
+from ddp_lab.answers.lab07.mistakes_act import ACTIVATION_MISTAKES
 from ddp_lab.answers.lab07.mistakes_comm import COMM_MISTAKES
 from ddp_lab.answers.lab07.mistakes_tp import TP_MISTAKES
 
@@ -486,10 +487,10 @@ class ShardedAdamW:
     ),
 ]
 
-_ALL += COMM_MISTAKES  # mistakes_comm.py: the right numbers, the wrong communication
+_ALL += ACTIVATION_MISTAKES + COMM_MISTAKES  # exercise 5; the right numbers, wrong messages
 #: What the grader runs (``tests/test_mistakes.py``, the sample class the first of each): all
-#: of exercise 1 (in one process, cheap), two of each distributed one (one grader round more).
-_ROUNDS = {"ex1_memory": 99}
+#: of exercises 1 and 5 (in one process, cheap), two of each distributed one.
+_ROUNDS = {"ex1_memory": 99, "ex5_activations": 99}
 MISTAKES = [
     m
     for m in _ALL

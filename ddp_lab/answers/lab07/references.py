@@ -8,7 +8,9 @@
 - :func:`gpipe_step`: one GPipe step of a model split into stages over ranks, with
   micro-batches and send/recv (exercise 3, ``pipeline.py``);
 - :class:`ColumnParallelLinear`, :class:`RowParallelLinear`: ``nn.Linear`` split over the
-  ranks by output or by input features (exercise 4, ``tp.py``).
+  ranks by output or by input features (exercise 4, ``tp.py``);
+- :func:`activation_bytes`: what autograd keeps for the backward of one block of the
+  course's GPT (exercise 5).
 
 ``FILES`` holds the notebook's three ``%%writefile`` files as sources, for the tests and
 the grader.
@@ -41,6 +43,21 @@ def memory_per_rank(numels, bytes_per_number, world_size, stage):
             }
         )
     return out
+
+
+def activation_bytes(batch, seq, width, heads, bytes_per_number):
+    """Bytes autograd keeps for the backward of one ``ddp_lab.gpt.Block`` (exercise 5).
+
+    ``16 B T C`` numbers of the block's tensors: its input (LayerNorm 1's), LayerNorm 1's
+    output (q, k and v's), contiguous copies of q, k and v that the batched matmuls save
+    (their heads are transposed views), the heads' joined output (the projection's input),
+    the residual sum (LayerNorm 2's input), LayerNorm 2's output, the MLP's 4C-wide input of
+    GELU and GELU's output; ``B H T^2`` attention weights (softmax's output, which the second
+    matmul saves too); ``4 B T`` of the two LayerNorms' means and 1/std; and the ``T x T``
+    causal mask of bools that ``masked_fill`` keeps, one byte each.
+    """
+    b, t, c, h, e = batch, seq, width, heads, bytes_per_number
+    return e * (16 * b * t * c + b * h * t * t + 4 * b * t) + t * t
 
 
 class ShardedAdamW:

@@ -1,5 +1,5 @@
-"""Checks of lab 7 (beyond data parallelism): four exercises, 16 points (and two written
-answers, 4 points, graded by hand).
+"""Checks of lab 7 (beyond data parallelism): five exercises, 19 points (and three written
+answers, 6 points, graded by hand).
 
 1. ``memory_per_rank(numels, bytes_per_number, world_size, stage)`` (2): bytes of
    parameters, gradients and AdamW moments on every rank under DDP and ZeRO stages 1-3;
@@ -13,7 +13,11 @@ answers, 4 points, graded by hand).
    and by each stage's schedule (all forwards before any backward);
 4. ``ColumnParallelLinear`` / ``RowParallelLinear`` (5, file ``tp.py``, every rank):
    ``nn.Linear`` split by output or input features, and the MLP block built from them;
-   judged against ``nn.Linear`` forward and backward, and by the collectives counted.
+   judged against ``nn.Linear`` forward and backward, and by the collectives counted;
+5. ``activation_bytes(batch, seq, width, heads, bytes_per_number)`` (3): the bytes autograd
+   keeps for the backward of one block of the course's GPT, a formula of the sizes (run
+   with PyTorch refused); judged against the block itself measured (on the meta device for
+   GPT-2-sized blocks).
 
 One file per exercise holds its contract (case set, run, judge). The functions below are the
 notebook's visible checks: each runs its exercise on small fixed inputs through
@@ -34,10 +38,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddp_lab.checks import runner
-from ddp_lab.checks.lab07 import ex1_memory, ex2_zero, ex3_pipeline, ex4_tensor_parallel
+from ddp_lab.checks.lab07 import (
+    ex1_memory,
+    ex2_zero,
+    ex3_pipeline,
+    ex4_tensor_parallel,
+    ex5_activations,
+)
 from ddp_lab.checks.lab07.common import LAB, PIPELINE_FILE, TP_FILE, ZERO_FILE
 
-__all__ = ["EXERCISES", "GRADING", "LAB", "memory", "pipeline", "tensor_parallel", "zero"]
+__all__ = [
+    "EXERCISES",
+    "GRADING",
+    "LAB",
+    "activations",
+    "memory",
+    "pipeline",
+    "tensor_parallel",
+    "zero",
+]
 
 #: The exercises, in the order of the notebook's test cells.
 EXERCISES = [
@@ -45,6 +64,7 @@ EXERCISES = [
     ex2_zero.EXERCISE,
     ex3_pipeline.EXERCISE,
     ex4_tensor_parallel.EXERCISE,
+    ex5_activations.EXERCISE,
 ]
 
 #: True while ``nbgrader autograde`` runs the notebook: the notebook then skips its
@@ -75,3 +95,9 @@ def tensor_parallel(path: str = TP_FILE) -> None:
     """Visible check of exercise 4: the file on 3 ranks (torchrun), a column and a row layer
     over all 3, the MLP block over 2, against ``nn.Linear``."""
     runner.visible(LAB, "test_ex4_tensor_parallel", folder=Path(path).parent)
+
+
+def activations(fn: Callable) -> None:
+    """Visible check of exercise 5: three small blocks (one of a single token and head) and
+    a GPT-2-small one, against the bytes measured on the blocks themselves."""
+    runner.visible(LAB, "test_ex5_activations", functions={"activation_bytes": fn})
