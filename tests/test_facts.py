@@ -1171,6 +1171,50 @@ def test_a_checkpointed_block_keeps_its_input_only_and_gives_the_same_gradients(
         assert said in text
 
 
+def test_dtensor_plan_of_a_block_all_reduces_2_forward_4_backward_and_2_with_the_input_once():
+    """Section 5's DTensor block, counted by ``CommDebugMode`` (on a fake group of 2: the
+    counts, not the values): ``ColwiseParallel`` on q, k, v and fc, ``RowwiseParallel`` on
+    the projections; each column layer reduces its input's gradient alone, unless the
+    attention's input is made a DTensor once (``PrepareModuleInput``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
+    }
+    once = PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
+    counts = {}
+    with _fake_world(0, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        for name, p in (("plan", plan), ("once", {"attn": once, **plan})):
+            block = parallelize_module(_block(8, 24, 6), mesh, p)
+            x = torch.randn(2, 8, 24, requires_grad=True)
+            with CommDebugMode() as fwd:
+                y = block(x)
+            with CommDebugMode() as bwd:
+                y.sum().backward()
+            counts[name] = [{str(k): v for k, v in m.get_comm_counts().items()} for m in (fwd, bwd)]
+    reduce = "c10d_functional.all_reduce"
+    assert counts["plan"] == [{reduce: 2}, {reduce: 4}]
+    assert counts["once"] == [{reduce: 2}, {reduce: 2}]
+    text = _lab07_text()
+    assert "the plain plan calls 4" in text and "2 all-reduces each way" in text
+
+
 def test_fused_attention_keeps_q_k_v_its_output_and_a_logsumexp_per_row_not_t_by_t():
     """``F.scaled_dot_product_attention`` (causal, float32, CPU): no ``T x T`` tensor saved."""
     from ddp_lab.parallel.memory import saved_tensors

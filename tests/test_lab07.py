@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import GradedLab, assert_verdicts, new_leftovers, saved, spawn_gloo
+from _harness import GradedLab, assert_verdicts, lab_notebook, new_leftovers, saved, spawn_gloo
 
 from ddp_lab.answers.lab07 import MISTAKES, MORE_MISTAKES
 from ddp_lab.answers.lab07 import hidden as hid
@@ -524,6 +524,27 @@ def test_fsdp_runs_on_the_cpu_with_gloo_and_trains_ddps_weights_with_half_the_me
     assert all(
         row["optimizer"] <= 3 * 4 * -(-n // 2) + counters for row in runs["zero (yours)"]["ranks"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_dtensor_block_demo_equals_the_unsplit_block_and_counts_the_all_reduces(tmp_path):
+    """Section 5's demonstration as the notebook writes it, on 2 gloo ranks, with the
+    solution's tp.py: both DTensor plans and the hand-made block equal the unsplit block
+    (float64), 2 all-reduces forward, 4 backward, 2 with the input made a DTensor once."""
+    from ddp_lab.launch import torchrun
+
+    (tmp_path / "tp.py").write_text(ref.FILES["tp.py"])
+    cell = next(c for c in lab_notebook(LAB)["cells"] if c["id"] == "dtensor_script")
+    script = "".join(cell["source"]).split("\n", 1)[1]
+    (tmp_path / "tp_block_demo.py").write_text(script)
+    res = torchrun("tp_block_demo.py", nproc=2, timeout=240, cwd=str(tmp_path), stream=False)
+    rows = {r["version"]: r for r in res.result["rows"]}
+    assert set(rows) == {"DTensor plan", "DTensor, input once", "your tp.py"}
+    counts = {name: (r["forward"], r["backward"]) for name, r in rows.items()}
+    assert counts == {"DTensor plan": (2, 4), "DTensor, input once": (2, 2), "your tp.py": (2, 4)}
+    assert all(r["output"] < 1e-12 and r["input_grad"] < 1e-12 for r in rows.values()), rows
+    assert res.result["q"][1:] == [[48, 48], [24, 48]]
 
 
 def test_an_ideal_gpipe_schedule_idles_the_formulas_share():
