@@ -1215,6 +1215,16 @@ def test_dtensor_plan_of_a_block_all_reduces_2_forward_4_backward_and_2_with_the
     assert "the plain plan calls 4" in text and "2 all-reduces each way" in text
 
 
+def test_torch_pipelining_has_the_schedules_section_4_names():
+    """``torch/distributed/pipelining/schedules.py``: GPipe, 1F1B and interleaved 1F1B."""
+    from torch.distributed import pipelining
+
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "PipelineStage"):
+        assert hasattr(pipelining, name), name
+    text = _lab07_text()
+    assert "ScheduleInterleaved1F1B" in text and "Schedule1F1B" in text
+
+
 def test_fused_attention_keeps_q_k_v_its_output_and_a_logsumexp_per_row_not_t_by_t():
     """``F.scaled_dot_product_attention`` (causal, float32, CPU): no ``T x T`` tensor saved."""
     from ddp_lab.parallel.memory import saved_tensors

@@ -526,6 +526,12 @@ def test_fsdp_runs_on_the_cpu_with_gloo_and_trains_ddps_weights_with_half_the_me
     )
 
 
+def _demo_script(cell_id: str) -> str:
+    """The file a notebook's ``%%writefile`` demonstration cell writes."""
+    cell = next(c for c in lab_notebook(LAB)["cells"] if c["id"] == cell_id)
+    return "".join(cell["source"]).split("\n", 1)[1]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_dtensor_block_demo_equals_the_unsplit_block_and_counts_the_all_reduces(tmp_path):
@@ -535,9 +541,7 @@ def test_the_dtensor_block_demo_equals_the_unsplit_block_and_counts_the_all_redu
     from ddp_lab.launch import torchrun
 
     (tmp_path / "tp.py").write_text(ref.FILES["tp.py"])
-    cell = next(c for c in lab_notebook(LAB)["cells"] if c["id"] == "dtensor_script")
-    script = "".join(cell["source"]).split("\n", 1)[1]
-    (tmp_path / "tp_block_demo.py").write_text(script)
+    (tmp_path / "tp_block_demo.py").write_text(_demo_script("dtensor_script"))
     res = torchrun("tp_block_demo.py", nproc=2, timeout=240, cwd=str(tmp_path), stream=False)
     rows = {r["version"]: r for r in res.result["rows"]}
     assert set(rows) == {"DTensor plan", "DTensor, input once", "your tp.py"}
@@ -545,6 +549,30 @@ def test_the_dtensor_block_demo_equals_the_unsplit_block_and_counts_the_all_redu
     assert counts == {"DTensor plan": (2, 4), "DTensor, input once": (2, 2), "your tp.py": (2, 4)}
     assert all(r["output"] < 1e-12 and r["input_grad"] < 1e-12 for r in rows.values()), rows
     assert res.result["q"][1:] == [[48, 48], [24, 48]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_1f1b_holds_p_minus_s_micro_batches_gpipe_all_m_with_the_same_bubble(tmp_path):
+    """Section 4's schedules demonstration as the notebook writes it, on 4 gloo ranks with
+    the solution's pipeline.py: torch's GPipe and the student's hold all 8 micro-batches on
+    every stage, torch's 1F1B 4, 3, 2, 1; the bubbles agree within a few points, near
+    (p - 1) / (m + p - 1) = 27 %."""
+    from ddp_lab.launch import torchrun
+
+    (tmp_path / "pipeline.py").write_text(ref.FILES["pipeline.py"])
+    (tmp_path / "schedules_demo.py").write_text(_demo_script("onefb_script"))
+    res = torchrun("schedules_demo.py", nproc=4, timeout=240, cwd=str(tmp_path), stream=False)
+    runs = res.result["runs"]
+    peaks = {name: [timeline.peak_held(e) for e in events] for name, events in runs.items()}
+    assert peaks == {
+        "GPipe (torch)": [8, 8, 8, 8],
+        "1F1B (torch)": [4, 3, 2, 1],
+        "your gpipe_step": [8, 8, 8, 8],
+    }
+    bubbles = [timeline.bubble(e) for e in runs.values()]
+    assert all(0.2 < b < 0.5 for b in bubbles), bubbles
+    assert max(bubbles) - min(bubbles) < 0.1, bubbles
 
 
 def test_an_ideal_gpipe_schedule_idles_the_formulas_share():

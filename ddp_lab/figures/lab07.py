@@ -18,7 +18,7 @@ from ddp_lab.figures.style import arrow as _arrow
 from ddp_lab.figures.style import box as _box
 from ddp_lab.figures.style import done as _done
 from ddp_lab.parallel.hybrid import coords
-from ddp_lab.parallel.timeline import busy_and_span, gpipe_bubble
+from ddp_lab.parallel.timeline import busy_and_span, gpipe_bubble, held, peak_held
 
 PARTS = ("params", "grads", "optimizer")
 _PART_COLORS = dict(zip(PARTS, (COLORS[0], COLORS[1], COLORS[2]), strict=True))
@@ -221,6 +221,38 @@ def bubble_curve(measured: Mapping[int, float], stages: int) -> Figure:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
+    return _done(fig)
+
+
+def held_activations(runs: Mapping[str, Sequence[Sequence[tuple]]]) -> Figure:
+    """Per schedule (``name -> events per stage``, measured), how many micro-batches'
+    activations each stage holds over time (:func:`ddp_lab.parallel.timeline.held`).
+
+    Example:
+        >>> run = [[("F", 0, 1), ("B", 2, 3)], [("F", 1, 2), ("B", 2, 2.5)]]
+        >>> len(held_activations({"a": run, "b": run}).axes)
+        2
+    """
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.6 * len(runs), 3.2), sharey=True)
+    axes = [axes] if len(runs) == 1 else list(axes)
+    for ax, (name, events) in zip(axes, runs.items(), strict=True):
+        _, t0, span = busy_and_span(events)
+        for stage, rank_events in enumerate(events):
+            points = [(t0, 0), *held(rank_events)]
+            ax.step(
+                [t - t0 for t, _ in points],
+                [n for _, n in points],
+                where="post",
+                color=COLORS[stage % len(COLORS)],
+                label=f"stage {stage}",
+            )
+        peaks = ", ".join(str(peak_held(e)) for e in events)
+        ax.set_title(f"{name}: peak per stage {peaks}", fontsize=9)
+        ax.set_xlabel("seconds")
+        ax.set_xlim(0, span)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("micro-batches' activations held")
+    axes[0].legend(fontsize=7)
     return _done(fig)
 
 

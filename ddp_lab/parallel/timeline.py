@@ -4,7 +4,9 @@ A :class:`TimedStage` is a ``Linear`` layer (real math) whose forward takes ``fo
 seconds and whose backward ``backward_s`` (a sleep, recorded with wall-clock times): every
 stage costs the same, whatever the machine and however many processes share its cores, so
 the time a pipeline schedule leaves stages waiting, its *bubble*, can be measured on a
-laptop and compared with GPipe's ``(p - 1) / (m + p - 1)``.
+laptop and compared with GPipe's ``(p - 1) / (m + p - 1)``; and from the same records, how
+many micro-batches' activations each stage holds at once (:func:`peak_held`: GPipe ``m``,
+1F1B at most ``p - s`` on stage ``s``).
 
 Example:
     >>> stage = TimedStage(4, forward_s=0.0, backward_s=0.0)
@@ -85,6 +87,32 @@ def bubble(events: Sequence[Sequence[tuple]]) -> float:
     """
     busy, _, span = busy_and_span(events)
     return 1 - sum(busy) / (len(events) * span)
+
+
+def held(events: Sequence[tuple]) -> list[tuple[float, int]]:
+    """How many micro-batches' activations one stage holds over time: after each of its
+    records in time order, ``(time, forwards done - backwards done)`` (a forward keeps its
+    activations until the backward of the same micro-batch has used them).
+
+    Example:
+        >>> held([("F", 0, 1), ("F", 1, 2), ("B", 2, 4), ("B", 4, 6)])
+        [(1, 1), (2, 2), (4, 1), (6, 0)]
+    """
+    count, out = 0, []
+    for kind, _, end in sorted(events, key=lambda e: e[1]):
+        count += 1 if kind == "F" else -1
+        out.append((end, count))
+    return out
+
+
+def peak_held(events: Sequence[tuple]) -> int:
+    """The most micro-batches' activations a stage held at once (:func:`held`).
+
+    Example:
+        >>> peak_held([("F", 0, 1), ("B", 1, 3), ("F", 3, 4), ("B", 4, 6)])
+        1
+    """
+    return max((n for _, n in held(events)), default=0)
 
 
 def gpipe_bubble(stages: int, micro_batches: int) -> float:
