@@ -575,6 +575,25 @@ def test_1f1b_holds_p_minus_s_micro_batches_gpipe_all_m_with_the_same_bubble(tmp
     assert max(bubbles) - min(bubbles) < 0.1, bubbles
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_2d_mesh_demo_gives_megatrons_groups_and_trains_what_one_process_trains(tmp_path):
+    """Section 6's 2-D mesh as the notebook writes it, on 4 gloo ranks: the tensor and data
+    groups are ``hybrid.layout(dp=2, tp=2, pp=1)``'s, every rank holds 8 of the 32 rows of a
+    query weight (tensor 16, then FSDP2 8), and 3 steps equal one process on the whole batch
+    (float64)."""
+    from ddp_lab.launch import torchrun
+
+    (tmp_path / "mesh_demo.py").write_text(_demo_script("mesh_script"))
+    res = torchrun("mesh_demo.py", nproc=4, timeout=240, cwd=str(tmp_path), stream=False).result
+    groups = hybrid.layout(dp=2, tp=2, pp=1)
+    for r in res["ranks"]:
+        assert r["tp"] in groups["tensor"] and r["rank"] in r["tp"]
+        assert r["dp"] in groups["data"] and r["rank"] in r["dp"]
+        assert r["coordinate"] == [r["rank"] // 2, r["rank"] % 2] and r["q_rows"] == 8
+    assert res["max_diff"] < 1e-12
+
+
 def test_an_ideal_gpipe_schedule_idles_the_formulas_share():
     tf, tb = 1.0, 2.0
     for p in (2, 3, 4):
