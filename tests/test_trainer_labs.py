@@ -125,13 +125,14 @@ def test_make_lab3_compares_accuracy_at_scaled_learning_rates(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_make_lab3_with_the_transformer_trains_on_text_and_says_so(tmp_path, capsys):
-    """`make lab3 LAB3_ARGS="--model gpt"`: the text is chosen (and why), each run's
-    perplexity is printed and kept, and the warm-up is a tenth of the text's steps."""
+    """`make lab3 LAB3_ARGS="--model gpt"`: the text is chosen (and why), the model's size
+    said, each run's perplexity printed and kept, the warm-up a tenth of the text's steps."""
     out = tmp_path / "lab3"
     argv = ["--max-procs", "2", "--model", "gpt", "--train-size", "256", "--out", str(out)]
     assert lab3.main(argv) == 0
     said = capsys.readouterr().out
     assert "dataset text: --model gpt trains on Python's own documentation" in said, said
+    assert "model gpt (2 layers x 4 heads, width 128, 64 tokens; 0.47 M parameters)" in said
     assert said.count("(perplexity ") >= 3, said  # two runs and the closing line
     import json
 

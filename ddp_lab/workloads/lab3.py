@@ -371,6 +371,16 @@ def run_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 # --------------------------------------------------------------------------- the sweep
 
 
+def model_size(model: str, dataset: str) -> str:
+    """What the trainer will build, as its first line says it (``gpt (2 layers x 4 heads,
+    width 128, 64 tokens; 0.47 M parameters)``), with ``$DDP_LAB_TRAIN_ARGS`` applied."""
+    from ddp_lab.models import build_model
+
+    extra = shlex.split(os.environ.get("DDP_LAB_TRAIN_ARGS", ""))
+    cfg = train_options.parse_args(["--model", model, "--dataset", dataset, *extra])
+    return train_options.describe_model(cfg, build_model(cfg.model, train_options.gpt_config(cfg)))
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     """Plan, say the plan, run the sweep, write ``scaling.json`` and ``scaling.png``."""
     counts, backend, hw_reason = plan_hardware(args.max_procs)
@@ -384,8 +394,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     print(f"{PROG}: {hw_reason}", flush=True)
     print(f"{PROG}: dataset {dataset}: {data_reason}", flush=True)
     print(
-        f"{PROG}: model {model}, batch {batch} per process, sweep over {counts} "
-        f"process(es); results in {out_dir}/",
+        f"{PROG}: model {model_size(model, dataset)}, batch {batch} per process, sweep over "
+        f"{counts} process(es); results in {out_dir}/",
         flush=True,
     )
     if args.lr_scaling == "linear":
