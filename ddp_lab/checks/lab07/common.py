@@ -8,12 +8,13 @@ student's code, and :func:`counted_collectives` only watches it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.guards import watched_collectives
 
 LAB = "lab07_beyond_ddp"
@@ -89,3 +90,15 @@ def randn(gen: torch.Generator, *shape: int, dtype=torch.float64, scale: float =
     """Normal values of ``shape``, drawn in float64 and cast (the same values for both
     dtypes of a draw)."""
     return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def check_cases(inputs: dict, outputs: dict, oracle: Callable, problem: Callable) -> None:
+    """The judge of an exercise run once per case in one process: one result per case in
+    ``outputs["results"]``, each against ``oracle(case)``; raises ``CheckFailed`` with
+    ``problem(case, got, want)`` of the first wrong one."""
+    results = outputs.get("results")
+    if not isinstance(results, list) or len(results) != len(inputs["cases"]):
+        raise CheckFailed("expected one result per case")
+    for case, got in zip(inputs["cases"], results, strict=True):
+        if why := problem(case, got, oracle(case)):
+            raise CheckFailed(why)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.failure import CheckFailed
+from ddp_lab.checks.lab07.common import check_cases
 from ddp_lab.checks.values import kind, number, plain, randint
 from ddp_lab.parallel.memory import nbytes, optimizer_bytes
 
@@ -181,12 +181,7 @@ def case_problem(case: dict, got, want: list[dict]) -> str | None:
 
 def judge(inputs: dict, outputs: dict) -> str:
     """Every rank of every case against the measured bytes."""
-    results = outputs.get("results")
-    if not isinstance(results, list) or len(results) != len(inputs["cases"]):
-        raise CheckFailed("expected one result per case")
-    for case, got in zip(inputs["cases"], results, strict=True):
-        if why := case_problem(case, got, oracle(case)):
-            raise CheckFailed(why)
+    check_cases(inputs, outputs, oracle, case_problem)
     worlds = sorted({c["world"] for c in inputs["cases"]})
     return (
         f"memory_per_rank matches real tensors measured on every rank ({len(inputs['cases'])} "

@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.failure import CheckFailed
+from ddp_lab.checks.lab07.common import check_cases
 from ddp_lab.checks.values import kind, number, randint
 from ddp_lab.gpt import Block, GPTConfig
 from ddp_lab.parallel.memory import saved_bytes
@@ -142,12 +142,7 @@ def case_problem(case: dict, got, want: int) -> str | None:
 
 def judge(inputs: dict, outputs: dict) -> str:
     """Every case against the bytes measured on the block itself."""
-    results = outputs.get("results")
-    if not isinstance(results, list) or len(results) != len(inputs["cases"]):
-        raise CheckFailed("expected one result per case")
-    for case, got in zip(inputs["cases"], results, strict=True):
-        if why := case_problem(case, got, oracle(case)):
-            raise CheckFailed(why)
+    check_cases(inputs, outputs, oracle, case_problem)
     biggest = max(oracle(c) for c in inputs["cases"])
     return (
         f"activation_bytes matches the bytes measured on a real block in all "
