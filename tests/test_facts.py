@@ -1212,7 +1212,7 @@ def test_dtensor_plan_of_a_block_all_reduces_2_forward_4_backward_and_2_with_the
     assert counts["plan"] == [{reduce: 2}, {reduce: 4}]
     assert counts["once"] == [{reduce: 2}, {reduce: 2}]
     text = _lab07_text()
-    assert "the plain plan calls 4" in text and "2 all-reduces each way" in text
+    assert "Backward: 4" in text and "2 all-reduces each way" in text
 
 
 def test_torch_pipelining_has_the_schedules_section_4_names():

@@ -64,6 +64,7 @@ from ddp_lab.errors import UsageError, exit_on_usage_error
 from ddp_lab.workloads.labrun import (
     dataset_for,
     lab_parser,
+    model_size,
     perplexity,
     plan_hardware,
     read_summary,
@@ -369,16 +370,6 @@ def run_slurm(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 # --------------------------------------------------------------------------- the sweep
-
-
-def model_size(model: str, dataset: str) -> str:
-    """What the trainer will build, as its first line says it (``gpt (2 layers x 4 heads,
-    width 128, 64 tokens; 0.47 M parameters)``), with ``$DDP_LAB_TRAIN_ARGS`` applied."""
-    from ddp_lab.models import build_model
-
-    extra = shlex.split(os.environ.get("DDP_LAB_TRAIN_ARGS", ""))
-    cfg = train_options.parse_args(["--model", model, "--dataset", dataset, *extra])
-    return train_options.describe_model(cfg, build_model(cfg.model, train_options.gpt_config(cfg)))
 
 
 def run_sweep(args: argparse.Namespace) -> int:

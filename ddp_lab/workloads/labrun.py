@@ -1,5 +1,6 @@
 """What every ``make labN`` run shares: the hardware plan, the common flags, one trainer run
-through torchrun, and the comparison of two runs' weights.
+through torchrun, the comparison of two runs' weights, and the model's size as the trainer
+will say it.
 
 ``ddp_lab.workloads.lab3`` (the scaling sweep), ``ddp_lab.workloads.lab5`` (number formats
 and accumulation) and ``ddp_lab.workloads.lab6`` (a fault and its restart) each add their own
@@ -11,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 
 import torch
 
+from ddp_lab import options as train_options
 from ddp_lab.data import choose_dataset, cifar10_present
 from ddp_lab.errors import UsageError
 from ddp_lab.launch import LaunchError, LaunchResult, torchrun
@@ -169,3 +172,13 @@ def weight_difference(out_a: str, out_b: str) -> tuple[bool, float]:
     identical = all(torch.equal(a[k], b[k]) for k in a)
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     return identical, diff
+
+
+def model_size(model: str, dataset: str) -> str:
+    """What the trainer will build, as its first line says it (``gpt (2 layers x 4 heads,
+    width 128, 64 tokens; 0.47 M parameters)``), with ``$DDP_LAB_TRAIN_ARGS`` applied."""
+    from ddp_lab.models import build_model
+
+    extra = shlex.split(os.environ.get("DDP_LAB_TRAIN_ARGS", ""))
+    cfg = train_options.parse_args(["--model", model, "--dataset", dataset, *extra])
+    return train_options.describe_model(cfg, build_model(cfg.model, train_options.gpt_config(cfg)))

@@ -3,9 +3,8 @@
 Each source replaces the whole solution cell, as a student would write it (not an edit of
 the reference). The first of each exercise is the sample class's ``mistake`` student's; each
 must fail its own exercise with its ``reason`` in the verdict: ``MISTAKES`` on the grader's
-path (``tests/test_mistakes.py``: in this process for exercises 1 and 5, in grader rounds
-for the distributed ones), ``MORE_MISTAKES`` in ``tests/test_lab07.py`` (a gloo job per
-exercise). More in ``mistakes_comm.py``, ``mistakes_tp.py`` and ``mistakes_act.py``.
+path (``tests/test_mistakes.py``: exercises 1 and 5 in this process, the others in grader
+rounds), ``MORE_MISTAKES`` in ``tests/test_lab07.py``. More in ``mistakes_*.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 from ddp_lab.answers import Mistake
 from ddp_lab.answers.lab07.mistakes_act import ACTIVATION_MISTAKES
 from ddp_lab.answers.lab07.mistakes_comm import COMM_MISTAKES
+from ddp_lab.answers.lab07.mistakes_dtensor import DTENSOR_MISTAKES
 from ddp_lab.answers.lab07.mistakes_tp import TP_MISTAKES
 
 # --- exercise 1: memory_per_rank -------------------------------------------------------------
@@ -487,7 +487,7 @@ class ShardedAdamW:
     ),
 ]
 
-_ALL += ACTIVATION_MISTAKES + COMM_MISTAKES  # exercise 5; the right numbers, wrong messages
+_ALL += ACTIVATION_MISTAKES + DTENSOR_MISTAKES + COMM_MISTAKES  # exercises 5, 6; 2-4
 #: What the grader runs (``tests/test_mistakes.py``, the sample class the first of each): all
 #: of exercises 1 and 5 (in one process, cheap), two of each distributed one.
 _ROUNDS = {"ex1_memory": 99, "ex5_activations": 99}
