@@ -93,8 +93,9 @@ def test_a_block_above_32_mib_faults_every_step_unless_kept(mode):
 @pytest.mark.timeout(180)
 def test_keeping_host_memory_changes_page_faults_not_weights(trainer):
     """cnn, 2 processes, 30 steps: --host-memory keep (the default) and release give the
-    same model.pt bit for bit; kept, no rank faults more than 200 pages per step (the
-    plain loop of `make bench` faults 100 to 4 600)."""
+    same model.pt bit for bit; kept, the most faulting rank faults under 500 pages a step
+    and under a quarter of what it faults released (the plain loop of `make bench` faults
+    100 to 4 600)."""
     flags = ["--model", "cnn", "--train-size", "1920", "--test-size", "64"]
     flags += ["--max-steps", "30", "--seed", "5"]
     runs = {}
@@ -107,4 +108,13 @@ def test_keeping_host_memory_changes_page_faults_not_weights(trainer):
     assert all(torch.equal(kept[k], released[k]) for k in kept)
     summary = json.loads((runs["keep"] / "summary.json").read_text())
     assert summary["config"]["host_memory"] == "keep"
-    assert 0 <= summary["page_faults_per_step"] < 200, summary["page_faults_per_step"]
+    kept_faults = summary["page_faults_per_step"]
+    released_faults = json.loads((runs["release"] / "summary.json").read_text())[
+        "page_faults_per_step"
+    ]
+    # measured quiet: kept 145-164 (29 steps carry the warm-up's allocations), released
+    # 2 377-5 010; under a loaded CI 215 kept
+    assert 0 <= kept_faults < 500 and 4 * kept_faults < released_faults, (
+        kept_faults,
+        released_faults,
+    )
