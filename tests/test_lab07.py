@@ -42,6 +42,7 @@ from ddp_lab.checks.lab07 import ex2_zero as ex2
 from ddp_lab.checks.lab07 import ex3_pipeline as ex3
 from ddp_lab.checks.lab07 import ex4_tensor_parallel as ex4
 from ddp_lab.checks.lab07 import ex5_activations as ex5
+from ddp_lab.checks.lab07 import ex6_dtensor_block as ex6
 from ddp_lab.checks.runner import STUB, namespace, run_ranks
 from ddp_lab.checks.values import plain
 from ddp_lab.parallel import hybrid, memory, timeline
@@ -467,6 +468,17 @@ def test_dtensor_block_reference_and_solution_pass_every_mistake_fails_on_the_gr
             assert reason in str(failed), f"{name}: {failed}"
         else:
             assert reason is None, f"the mistake {name!r} passed: {verdict}"
+
+
+def test_dtensor_block_counts_functional_and_c10d_all_reduces_together():
+    """A block that mixes DTensor's all-reduces with ``dist.all_reduce`` (2 + 2) is counted
+    4, not 2: the two names of the same collective add up."""
+
+    class Seen:
+        def get_comm_counts(self):
+            return {"c10d_functional.all_reduce": 2, "c10d.allreduce_": 2, "c10d.broadcast_": 1}
+
+    assert ex6.collectives(Seen()) == {"all_reduce": 4, "broadcast_": 1}
 
 
 def test_dtensor_block_cases_cover_3_and_2_ranks_both_dtypes_and_whole_heads():

@@ -156,9 +156,10 @@ def saved_tensors(fn: Callable, *args, exclude: Iterable[torch.Tensor] = ()) -> 
         key = storage._cdata  # the storage itself: views share it (and on meta, too)
         if key not in skip:
             row = rows.setdefault(
-                key, {"shape": tuple(t.shape), "dtype": t.dtype, "bytes": storage.nbytes()}
+                key,
+                {"shape": tuple(t.shape), "dtype": t.dtype, "bytes": storage.nbytes(), "times": 0},
             )
-            row["times"] = row.get("times", 0) + 1
+            row["times"] += 1
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -23,6 +23,8 @@ Each case is one torchrun job of its number of ranks.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ddp_lab.checks import guards
@@ -75,9 +77,14 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _all_reduces(mode) -> dict[str, int]:
-    counts = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
-    return {("all_reduce" if "allreduce" in k else k): n for k, n in counts.items()}
+def collectives(mode) -> dict[str, int]:
+    """The collectives a ``CommDebugMode`` saw, by name; DTensor's functional all-reduces
+    and ``torch.distributed``'s (``allreduce_``) added up together as ``all_reduce``."""
+    out: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        out["all_reduce" if "allreduce" in name or "all_reduce" in name else name] += n
+    return dict(out)
 
 
 def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
@@ -121,8 +128,8 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
             for n, p in model.named_parameters()
         },
         "weights": weights,
-        "forward": _all_reduces(forward),
-        "backward": _all_reduces(backward),
+        "forward": collectives(forward),
+        "backward": collectives(backward),
     }
 
 
