@@ -871,11 +871,14 @@ def test_detail_wraps_every_process_group_in_a_checking_wrapper():
 LAB07_NOTEBOOK = Path(__file__).parents[1] / "solutions/lab07_beyond_ddp/lab07_beyond_ddp.ipynb"
 
 
-def _lab07_text() -> str:
-    cells = json.loads(LAB07_NOTEBOOK.read_text())["cells"]
+def _lab_text(notebook: Path = LAB07_NOTEBOOK) -> str:
+    cells = json.loads(notebook.read_text())["cells"]
     return "\n".join(
         "".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in cells
     )
+
+
+LAB09_NOTEBOOK = LAB07_NOTEBOOK.parents[1] / "lab09_fsdp_dtensor/lab09_fsdp_dtensor.ipynb"
 
 
 @contextmanager
@@ -913,7 +916,7 @@ def test_fsdp2_cuts_each_parameter_by_rows_with_torch_chunk_4_4_2_on_3_ranks():
     assert "_chunk_with_empty(param_data, shard_world_size, dim=shard_dim)" in inspect.getsource(
         _fsdp_param
     )
-    assert "4, 4 and 2 rows" in _lab07_text()
+    assert "4, 4 and 2 rows" in _lab_text()
 
 
 def test_fully_shard_gives_each_of_3_ranks_the_written_answers_shares_of_the_mlp():
@@ -937,10 +940,63 @@ def test_fully_shard_gives_each_of_3_ranks_the_written_answers_shares_of_the_mlp
     assert stored == [28_720] * 3
     flat = lab07_ref.memory_per_rank([p.numel() for p in _mlp().parameters()], 4, 3, 3)
     assert [r["params"] // 4 for r in flat] == [28_334] * 3
-    text = _lab07_text()
+    text = _lab_text()
     for number in ("28,720", "27,562", "28,334", "459,520", "440,992", "453,344"):
         assert number in text
     assert local[0] * 16 == 459_520 and local[2] * 16 == 440_992 and 28_334 * 16 == 453_344
+
+
+def test_fsdp2_moments_are_unpadded_and_a_units_gradients_share_one_padded_buffer():
+    """Lab 9, section 1: AdamW's moments are ``torch.zeros_like`` of the rank's rows
+    (``torch/optim/adam.py``), not padded; the gradients of one unit are views of one buffer,
+    the reduce-scatter's output, padded to the first chunk's rows of every parameter."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.optim import adam
+
+    assert "torch.zeros_like(" in inspect.getsource(adam.Adam._init_group)
+    with _fake_world(2, 3):
+        model = nn.Sequential(nn.Linear(4, 10), nn.Linear(10, 2))
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        rows = [p.to_local().shape[0] for p in model.parameters()]
+        grads = {p.grad.to_local().untyped_storage().nbytes() for p in model.parameters()}
+        moments = [optimizer.state[p]["exp_avg"].to_local().numel() for p in model.parameters()]
+    assert rows == [2, 2, 0, 0], "rank 2 of 3: 10 rows fall 4, 4, 2; 2 rows 1, 1, 0"
+    assert grads == {(4 * 4 + 4 + 1 * 10 + 1) * 4}, "one buffer, every parameter padded"
+    assert moments == [8, 2, 0, 0]
+
+
+def test_fsdp2_gathers_the_root_once_and_each_block_twice_a_step():
+    """Lab 9, section 2 and exercise 2: a GPT of L blocks, each an FSDP unit and the model
+    too, calls 2 L + 1 all-gathers and L + 1 reduce-scatters in a forward and backward pass
+    (the root unit is not resharded after its forward: ``_fsdp_state.py`` sets the root's
+    ``post_forward_mesh_info`` to None); the model alone as one unit, 1 and 1."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ddp_lab.checks.lab09.common import collectives
+    from ddp_lab.gpt import GPT, GPTConfig
+
+    assert "post_forward_mesh_info = None" in inspect.getsource(_fsdp_state)
+
+    def counts(layers: int, per_block: bool) -> dict:
+        with _fake_world(0, 2):
+            model = GPT(GPTConfig(seq_len=8, width=16, heads=2, layers=layers))
+            if per_block:
+                for block in model.blocks:
+                    fully_shard(block)
+            fully_shard(model)
+            tokens = torch.randint(0, 256, (2, 8))
+            with CommDebugMode() as mode:
+                model(tokens).sum().backward()
+            return collectives(mode)
+
+    for layers in (1, 3):
+        assert counts(layers, True) == {"all_gather": 2 * layers + 1, "reduce_scatter": layers + 1}
+    assert counts(3, False) == {"all_gather": 1, "reduce_scatter": 1}
 
 
 def test_torch_zero1_gives_the_256x256_weight_to_one_rank_77_percent_3_4_times():
@@ -958,7 +1014,7 @@ def test_torch_zero1_gives_the_256x256_weight_to_one_rank_77_percent_3_4_times()
         ]
     assert owned == [65_536, 19_466]
     assert round(100 * owned[0] / sum(owned)) == 77 and round(owned[0] / owned[1], 1) == 3.4
-    assert "77 %" in _lab07_text() and "3.4 times" in _lab07_text()
+    assert "77 %" in _lab_text() and "3.4 times" in _lab_text()
 
 
 # --- communication ---------------------------------------------------------------------------
@@ -993,7 +1049,7 @@ def test_fsdp2_moves_two_all_gathers_and_one_reduce_scatter_per_layer_1_5_times_
     s = 12 * 64 * 64 * 8 * 2  # bytes of the bf16 gradients
     assert ddp == zero1 == pytest.approx(2 * 3 / 4 * s)
     assert zero3 == pytest.approx(3 * 3 / 4 * s) and zero3 / ddp == pytest.approx(1.5)
-    text = _lab07_text()
+    text = _lab_text()
     assert "1.5 times" in text and "a third more communication" not in text
 
 
@@ -1028,7 +1084,7 @@ def test_mixed_precision_adamw_holds_16_bytes_per_parameter_12_of_them_optimizer
     assert plan["memory"]["optimizer"] == 12 * n and plan["memory"]["total"] == 16 * n
     fp32 = hybrid.plan(8, 64, 16, 32, 1, 1, 1, 1, lab07_ref.memory_per_rank, 0, 4, 4)["memory"]
     assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * n, 4 * n, 8 * n)
-    text = _lab07_text()
+    text = _lab_text()
     assert "`12N` for Adam's state" in text and "16N for the state alone" not in text
 
 
@@ -1065,7 +1121,7 @@ def test_hybrid_ranks_put_the_pipeline_outermost_as_megatron_orders_them():
         d, p, t = hybrid.coords(r, dp=dp, tp=tp)
         assert t + d * tp + p * tp * dp == r
     assert hybrid.layout(dp, tp, pp)["pipeline"][0] == [0, 8]
-    text = _lab07_text()
+    text = _lab_text()
     assert "r = (pp d + dd) t + tt" in text and "megatron/core/parallel_state.py" in text
     assert "r = (d p + pp) t + tt" not in text
 
@@ -1073,7 +1129,7 @@ def test_hybrid_ranks_put_the_pipeline_outermost_as_megatron_orders_them():
 def test_gpipe_bubble_is_43_percent_for_4_stages_and_4_micro_batches():
     """The seeds-checked box: ``(p - 1) / (m + p - 1)`` = 3/7 for p = m = 4."""
     assert timeline.gpipe_bubble(4, 4) == pytest.approx(3 / 7)
-    assert round(100 * timeline.gpipe_bubble(4, 4)) == 43 and "43 %" in _lab07_text()
+    assert round(100 * timeline.gpipe_bubble(4, 4)) == 43 and "43 %" in _lab_text()
 
 
 def test_the_collectives_the_lab_names_exist_and_want_equal_sizes():
@@ -1127,7 +1183,7 @@ def test_a_gpt2_small_block_keeps_0_81_gb_at_1024_tokens_seven_times_its_model_s
     assert round(kept / 1e9, 2) == 0.81 and round(states / 1e6) == 113
     assert round(kept / states) == 7 and round(12 * kept / 1e9, 1) == 9.7
     assert round(gpt2_small / 1e6) == 124 and round(16 * gpt2_small / 1e9, 1) == 2.0
-    text = _lab07_text()
+    text = _lab_text()
     for said in ("0.81 GB", "113 MB", "9.7 GB", "2.0 GB", "124 M"):
         assert said in text
 
@@ -1166,13 +1222,13 @@ def test_a_checkpointed_block_keeps_its_input_only_and_gives_the_same_gradients(
     assert lab07_ref.activation_bytes(8, 128, 128, 8, 4) == 12_615_680
     assert kept[False] - 4 * 12_615_680 == kept[True] - 4 * 524_288 == 1_065_984
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True], strict=True))
-    text = _lab07_text()
+    text = _lab_text()
     for said in ("12,615,680", "50,462,720", "524,288", "51,528,704", "3,163,136", "1,065,984"):
         assert said in text
 
 
 def test_dtensor_plan_of_a_block_all_reduces_2_forward_4_backward_and_2_with_the_input_once():
-    """Section 5's DTensor block, counted by ``CommDebugMode`` (on a fake group of 2: the
+    """Lab 9's section 3 DTensor block, counted by ``CommDebugMode`` (on a fake group of 2: the
     counts, not the values): ``ColwiseParallel`` on q, k, v and fc, ``RowwiseParallel`` on
     the projections; each column layer reduces its input's gradient alone, unless the
     attention's input is made a DTensor once (``PrepareModuleInput``)."""
@@ -1211,8 +1267,8 @@ def test_dtensor_plan_of_a_block_all_reduces_2_forward_4_backward_and_2_with_the
     reduce = "c10d_functional.all_reduce"
     assert counts["plan"] == [{reduce: 2}, {reduce: 4}]
     assert counts["once"] == [{reduce: 2}, {reduce: 2}]
-    text = _lab07_text()
-    assert "Backward: 4" in text and "2 all-reduces each way" in text
+    text = _lab_text(LAB09_NOTEBOOK)
+    assert "Backward: 4" in text and "2 all-reduces per pass" in text
 
 
 def test_torch_pipelining_has_the_schedules_section_4_names():
@@ -1221,7 +1277,7 @@ def test_torch_pipelining_has_the_schedules_section_4_names():
 
     for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "PipelineStage"):
         assert hasattr(pipelining, name), name
-    text = _lab07_text()
+    text = _lab_text()
     assert "ScheduleInterleaved1F1B" in text and "Schedule1F1B" in text
 
 
@@ -1233,7 +1289,7 @@ def test_fused_attention_keeps_q_k_v_its_output_and_a_logsumexp_per_row_not_t_by
     rows = saved_tensors(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     shapes = sorted(r["shape"] for r in rows)
     assert shapes == sorted([(2, 4, 64, 8)] * 4 + [(2, 4, 64)])
-    assert "one number per row" in _lab07_text()
+    assert "one number per row" in _lab_text()
 
 
 # ===============================================================================================

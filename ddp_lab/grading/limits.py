@@ -53,13 +53,15 @@ class Limits:
 
     Attributes:
         memory_mb: heap and private mappings per process, in MiB.
-        processes: processes alive at once in one tree (a kernel, or one exercise's run).
+        processes: processes alive at once in one tree (a kernel, or one exercise's run); a
+            ``pids`` cgroup counts every thread as one (a torchrun job of 4 gloo ranks on a
+            2-D device mesh holds about 80).
         file_mb: the largest file a process may write, in MiB.
         cpu_s: CPU seconds per process.
     """
 
     memory_mb: int | None = 4096
-    processes: int | None = 64
+    processes: int | None = 128  # a pids cgroup counts threads: 4 gloo ranks hold ~80
     file_mb: int | None = 256
     cpu_s: int | None = 900
 

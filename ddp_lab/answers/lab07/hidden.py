@@ -14,7 +14,7 @@
 - ex4: wrong results matched against the row layer's bias added on every rank, its forward
   without the all-reduce, its backward with one, and the column layer's backward without
   one;
-- ex5 and ex6: in ``hidden_transformer.py``.
+- ex5: in ``hidden_transformer.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from ddp_lab.answers.lab07 import references as ref
 from ddp_lab.answers.lab07.hidden_transformer import (
     activations_check,
     activations_explain,
-    dtensor_explain,
 )
 from ddp_lab.checks.failure import CheckFailed, is_close
 from ddp_lab.checks.lab07 import ex1_memory as ex1
@@ -405,5 +404,4 @@ HIDDEN = {
     "test_ex3_pipeline": Hidden(explain=_pipeline_explain),
     "test_ex4_tensor_parallel": Hidden(explain=_tp_explain),
     "test_ex5_activations": Hidden(check=activations_check, explain=activations_explain),
-    "test_ex6_dtensor_block": Hidden(explain=dtensor_explain),
 }

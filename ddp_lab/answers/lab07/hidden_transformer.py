@@ -1,11 +1,9 @@
-"""What the grader adds to lab 7's judges of the transformer exercises (5 and 6).
+"""What the grader adds to lab 7's judge of the transformer exercise (5).
 
 - ex5: the bytes compared with the reference's formula; a wrong answer matched against
   typical counts (the scores kept beside the weights, the mask left out or counted in the
   model's dtype or per sample, one attention matrix for all heads, LayerNorm's statistics
-  left out, the parameters counted), else told how many ``B T C``-sized tensors it counts;
-- ex6: a block right in every number but with 4 all-reduces in its backward pass is told
-  that q, k and v each reduce their input's gradient on their own.
+  left out, the parameters counted), else told how many ``B T C``-sized tensors it counts.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 from ddp_lab.answers.lab07 import references as ref
 from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab07 import ex5_activations as ex5
-from ddp_lab.checks.lab07 import ex6_dtensor_block as ex6
 from ddp_lab.checks.values import number
 
 # --- exercise 5 ---------------------------------------------------------------------------
@@ -101,23 +98,4 @@ def activations_explain(inputs: dict, outputs: dict) -> str | None:
             "go through its forward operation by operation (a view saves nothing, an "
             "operation may keep a copy of its input, two operations may keep one tensor)"
         )
-    return None
-
-
-# --- exercise 6 ---------------------------------------------------------------------------
-
-
-def dtensor_explain(inputs: dict, outputs: dict) -> str | None:
-    for case, ranks in zip(inputs["cases"], outputs.get("cases") or [], strict=False):
-        want = ex6.oracle(case)
-        for rank, got in enumerate(ranks):
-            why = ex6.rank_problem(case, rank, got, want)
-            if why and "backward pass should call" in why and got["backward"] == {"all_reduce": 4}:
-                return (
-                    f"{why}: q, k and v each bring their input's gradient back to a whole with "
-                    "their own all-reduce, three where one would do: the three layers read the "
-                    "same input, so their partial gradients can be added first and reduced once"
-                )
-            if why:
-                return None
     return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 from ddp_lab.answers import Mistake
 from ddp_lab.answers.lab07.mistakes_act import ACTIVATION_MISTAKES
 from ddp_lab.answers.lab07.mistakes_comm import COMM_MISTAKES
-from ddp_lab.answers.lab07.mistakes_dtensor import DTENSOR_MISTAKES
 from ddp_lab.answers.lab07.mistakes_tp import TP_MISTAKES
 
 # --- exercise 1: memory_per_rank -------------------------------------------------------------
@@ -487,7 +486,7 @@ class ShardedAdamW:
     ),
 ]
 
-_ALL += ACTIVATION_MISTAKES + DTENSOR_MISTAKES + COMM_MISTAKES  # exercises 5, 6; 2-4
+_ALL += ACTIVATION_MISTAKES + COMM_MISTAKES  # exercise 5; 2-4
 #: What the grader runs (``tests/test_mistakes.py``, the sample class the first of each): all
 #: of exercises 1 and 5 (in one process, cheap), two of each distributed one.
 _ROUNDS = {"ex1_memory": 99, "ex5_activations": 99}

@@ -11,10 +11,7 @@
   ranks by output or by input features (exercise 4, ``tp.py``);
 - :func:`activation_bytes`: what autograd keeps for the backward of one block of the
   course's GPT (exercise 5);
-- ``PLAN_SOURCE``: ``parallelize_block`` of ``tp_plan.py``, a GPT block split with DTensor
-  (exercise 6).
-
-``FILES`` holds the notebook's four ``%%writefile`` files as sources, for the tests and
+``FILES`` holds the notebook's three ``%%writefile`` files as sources, for the tests and
 the grader.
 """
 
@@ -244,41 +241,13 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-#: Exercise 6's file (``tp_plan.py``): Megatron's split of a GPT block with DTensor, the
-#: attention's input made a DTensor once so that q, k and v share one backward all-reduce.
-PLAN_SOURCE = """from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
-
-
-def parallelize_block(block, mesh):
-    once = PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-    )
-    plan = {
-        "attn": once,
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(),
-    }
-    return parallelize_module(block, mesh, plan)
-"""
-
-
 def _file(*objects, header: str) -> str:
     return header + "\n\n\n" + "\n\n\n".join(inspect.getsource(o) for o in objects)
 
 
 _HEAD = "import torch\nimport torch.distributed as dist\nfrom torch import nn"
 
-#: The notebook's four files (``%%writefile`` cells), as the reference writes them.
+#: The notebook's three files (``%%writefile`` cells), as the reference writes them.
 FILES = {
     "zero.py": _file(ShardedAdamW, header=_HEAD),
     "pipeline.py": _file(gpipe_step, header=_HEAD),
@@ -290,5 +259,4 @@ FILES = {
         RowParallelLinear,
         header=_HEAD,
     ),
-    "tp_plan.py": PLAN_SOURCE,
 }

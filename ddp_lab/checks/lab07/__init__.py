@@ -1,26 +1,25 @@
-"""Checks of lab 7 (beyond data parallelism): six exercises, 19 points (and three written
+"""Checks of lab 7 (beyond data parallelism): five exercises, 19 points (and three written
 answers, 6 points, graded by hand).
 
 1. ``memory_per_rank(numels, bytes_per_number, world_size, stage)`` (2): bytes of
    parameters, gradients and AdamW moments on every rank under DDP and ZeRO stages 1-3;
    judged against real tensors measured (a real AdamW, real chunks of the flat vector);
-2. ``ShardedAdamW`` (4, file ``zero.py``, every rank): AdamW with its state sharded over the
+2. ``ShardedAdamW`` (5, file ``zero.py``, every rank): AdamW with its state sharded over the
    ranks, clipping by the global norm, parameters without a gradient skipped; judged
    against ``torch.optim.AdamW`` itself after every step, by the bytes the object holds
    per rank, and by the collectives each step calls (reduce-scatter, all-gather);
 3. ``gpipe_step`` (4, file ``pipeline.py``, every rank): a GPipe step over stages on
    ranks, with micro-batches and send/recv; judged against the unsplit model's autograd,
    and by each stage's schedule (all forwards before any backward);
-4. ``ColumnParallelLinear`` / ``RowParallelLinear`` (4, file ``tp.py``, every rank):
+4. ``ColumnParallelLinear`` / ``RowParallelLinear`` (5, file ``tp.py``, every rank):
    ``nn.Linear`` split by output or input features, and the MLP block built from them;
    judged against ``nn.Linear`` forward and backward, and by the collectives counted;
 5. ``activation_bytes(batch, seq, width, heads, bytes_per_number)`` (3): the bytes autograd
    keeps for the backward of one block of the course's GPT, a formula of the sizes (run
    with PyTorch refused); judged against the block itself measured (on the meta device for
-   GPT-2-sized blocks);
-6. ``parallelize_block(block, mesh)`` (2, file ``tp_plan.py``, every rank): a GPT block
-   split with DTensor; judged against the unsplit block, by its shards (1/n of every linear
-   weight a rank) and by its all-reduces (2 each way, Megatron's count).
+   GPT-2-sized blocks).
+
+PyTorch's own tools for the same ideas (``fully_shard``, DTensor, device meshes) are lab 9's.
 
 One file per exercise holds its contract (case set, run, judge). The functions below are the
 notebook's visible checks: each runs its exercise on small fixed inputs through
@@ -47,16 +46,14 @@ from ddp_lab.checks.lab07 import (
     ex3_pipeline,
     ex4_tensor_parallel,
     ex5_activations,
-    ex6_dtensor_block,
 )
-from ddp_lab.checks.lab07.common import LAB, PIPELINE_FILE, PLAN_FILE, TP_FILE, ZERO_FILE
+from ddp_lab.checks.lab07.common import LAB, PIPELINE_FILE, TP_FILE, ZERO_FILE
 
 __all__ = [
     "EXERCISES",
     "GRADING",
     "LAB",
     "activations",
-    "dtensor_block",
     "memory",
     "pipeline",
     "tensor_parallel",
@@ -70,7 +67,6 @@ EXERCISES = [
     ex3_pipeline.EXERCISE,
     ex4_tensor_parallel.EXERCISE,
     ex5_activations.EXERCISE,
-    ex6_dtensor_block.EXERCISE,
 ]
 
 #: True while ``nbgrader autograde`` runs the notebook: the notebook then skips its
@@ -107,10 +103,3 @@ def activations(fn: Callable) -> None:
     """Visible check of exercise 5: three small blocks (one of a single token and head) and
     a GPT-2-small one, against the bytes measured on the blocks themselves."""
     runner.visible(LAB, "test_ex5_activations", functions={"activation_bytes": fn})
-
-
-def dtensor_block(path: str = PLAN_FILE) -> None:
-    """Visible check of exercise 6: the file's ``parallelize_block`` on a block over 3 ranks
-    and over 2 (two torchrun jobs), against the unsplit block, its shards and its
-    all-reduces."""
-    runner.visible(LAB, "test_ex6_dtensor_block", folder=Path(path).parent)

@@ -21,7 +21,6 @@ LAB = "lab07_beyond_ddp"
 
 #: Files the notebook's distributed solution cells write (``%%writefile``).
 ZERO_FILE, PIPELINE_FILE, TP_FILE = "zero.py", "pipeline.py", "tp.py"
-PLAN_FILE = "tp_plan.py"
 #: What the exercises ask students to write themselves (the solution cells may not use it).
 BUILT_INS = (
     "torch.distributed.optim",

@@ -1,4 +1,4 @@
-"""Exercise 6: ``parallelize_block(block, mesh)`` in ``tp_plan.py``: one block of the course's
+"""Exercise 3: ``parallelize_block(block, mesh)`` in ``tp_plan.py``: one block of the course's
 GPT split over the ranks of a 1-D device mesh with DTensor, Megatron's way, at Megatron's
 cost.
 
@@ -23,14 +23,12 @@ Each case is one torchrun job of its number of ranks.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
 from ddp_lab.checks.failure import CheckFailed, is_close
-from ddp_lab.checks.lab07.common import DTYPES, PLAN_FILE, WATCHDOG_S, randn
+from ddp_lab.checks.lab09.common import DTYPES, PLAN_FILE, WATCHDOG_S, collectives, randn
 from ddp_lab.checks.values import kind, randint
 from ddp_lab.gpt import Block, GPTConfig
 
@@ -75,16 +73,6 @@ def block(case: dict) -> Block:
 def _whole(t):
     """A tensor as it is, a DTensor gathered."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def collectives(mode) -> dict[str, int]:
-    """The collectives a ``CommDebugMode`` saw, by name; DTensor's functional all-reduces
-    and ``torch.distributed``'s (``allreduce_``) added up together as ``all_reduce``."""
-    out: Counter = Counter()
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        out["all_reduce" if "allreduce" in name or "all_reduce" in name else name] += n
-    return dict(out)
 
 
 def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
@@ -208,8 +196,8 @@ def judge(inputs: dict, outputs: dict) -> str:
 
 
 EXERCISE = Exercise(
-    "test_ex6_dtensor_block",
-    ("ex6_dtensor_block",),
+    "test_ex3_dtensor_block",
+    ("ex3_dtensor_block",),
     "a transformer block split with DTensor at Megatron's cost",
     make_inputs,
     judge,
