@@ -1,16 +1,19 @@
-"""Checks of lab 9 (PyTorch's distributed stack: FSDP2, DTensor, device meshes): three
-exercises, 12 points (and two written answers, 4 points, graded by hand).
+"""Checks of lab 9 (PyTorch's distributed stack: FSDP2, DTensor, device meshes): four
+exercises, 15 points (and two written answers, 4 points, graded by hand).
 
 1. ``fsdp_bytes(shapes, bytes_per_number, world_size)`` (3): bytes of parameters,
    gradients and AdamW moments that each rank holds under ``fully_shard``; judged against
    FSDP2's own chunks of real tensors, measured;
-2. ``shard_model(model, mesh, lr)`` (5, file ``fsdp.py``, every rank): FSDP2 on the
+2. ``shard_model(model, mesh, adamw)`` (4, file ``fsdp.py``, every rank): FSDP2 on the
    course's GPT, one unit per block, and its AdamW; judged by its units, its collectives
    (ZeRO-3's), the bytes each rank holds, and its weights after a few steps against one
    process on the whole batch (what DDP trains);
 3. ``parallelize_block(block, mesh)`` (4, file ``tp_plan.py``, every rank): a GPT block
    split with DTensor; judged against the unsplit block, by its shards (1/n of every linear
-   weight a rank) and by its all-reduces (2 each way, Megatron's count).
+   weight a rank) and by its all-reduces (2 each way, Megatron's count);
+4. ``parallelize_2d(model, tp, plan_block)`` (4, file ``mesh2d.py``, every rank): the GPT
+   on a data x tensor device mesh; judged by its groups (Megatron's: tensor groups of
+   neighbouring ranks), its shards, and its weights after 2 steps against one process.
 
 One file per exercise holds its contract (case set, run, judge). The functions below are the
 notebook's visible checks: each runs its exercise on small fixed inputs through

@@ -36,8 +36,15 @@ import torch.nn.functional as F
 
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.failure import CheckFailed, is_close
-from ddp_lab.checks.lab09.common import DTYPES, FSDP_FILE, WATCHDOG_S, collectives
+from ddp_lab.checks.lab09.common import (
+    DTYPES,
+    FSDP_FILE,
+    WATCHDOG_S,
+    collectives,
+    gathered,
+    judge_ranks,
+    weights_problem,
+)
 from ddp_lab.checks.lab09.ex1_fsdp_bytes import rows
 from ddp_lab.checks.values import kind, randint
 from ddp_lab.gpt import GPT, GPTConfig
@@ -141,10 +148,7 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
             grads = model_bytes(net)
             optimizer.step()
             optimizer.zero_grad()
-        weights = {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in net.named_parameters()
-        }
+        weights = gathered(net)
     return {
         "units": {
             "model": isinstance(net, FSDPModule),
@@ -156,16 +160,22 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
     }
 
 
-def oracle(case: dict) -> dict:
-    """One process on the whole batch: the weights after ``k`` steps, and this rank's
-    expected bytes (FSDP2's rows of every parameter)."""
+def trained(case: dict) -> GPT:
+    """The case's GPT trained by one process on the whole batch, ``k`` steps of AdamW."""
     net = model(case)
-    shapes = [tuple(p.shape) for p in net.parameters()]
     optimizer = adamw(case, net.parameters())
     for tokens in case["tokens"]:
         loss_of(net, tokens).backward()
         optimizer.step()
         optimizer.zero_grad()
+    return net
+
+
+def oracle(case: dict) -> dict:
+    """One process on the whole batch: the weights after ``k`` steps, and this rank's
+    expected bytes (FSDP2's rows of every parameter)."""
+    net = trained(case)
+    shapes = [tuple(p.shape) for p in net.parameters()]
     n, size = case["world_size"], DTYPES[case["dtype"]].itemsize
     per_rank = []
     for rank in range(n):
@@ -225,30 +235,14 @@ def rank_problem(case: dict, rank: int, got, want: dict) -> str | None:
                 f"{what}: this rank should hold {expected:,} bytes of {part} (its rows of every "
                 f"parameter, as FSDP2 cuts them), measured {got['bytes'].get(part)}"
             )
-    atol, rtol = TOL[case["dtype"]]
-    for name, expected in want["weights"].items():
-        value = got["weights"].get(name)
-        if not isinstance(value, torch.Tensor) or value.shape != expected.shape:
-            return f"{what}: no weight {name!r} of shape {tuple(expected.shape)} after training"
-        if not is_close(value, expected, atol, rtol):
-            diff = (value.double() - expected.double()).abs().max().item()
-            return (
-                f"{what}: after {len(case['tokens'])} steps {name} differs from one process "
-                f"trained on the whole batch (what DDP trains; largest difference {diff:.2e})"
-            )
-    return None
+    return weights_problem(
+        what, got["weights"], want["weights"], TOL[case["dtype"]], len(case["tokens"])
+    )
 
 
 def judge(inputs: dict, outputs: dict) -> str:
     """Every rank of every case: its units, collectives, bytes and trained weights."""
-    cases = outputs.get("cases")
-    if not isinstance(cases, list) or len(cases) != len(inputs["cases"]):
-        raise CheckFailed("expected one result per case")
-    for case, ranks in zip(inputs["cases"], cases, strict=True):
-        want = oracle(case)
-        for rank, got in enumerate(ranks):
-            if why := rank_problem(case, rank, got, want):
-                raise CheckFailed(why)
+    judge_ranks(inputs, outputs, oracle, rank_problem)
     return (
         "shard_model makes every block and the model FSDP units over 3 and 2 ranks: ZeRO-3's "
         "collectives, each rank its rows of every parameter, gradient and moment, and the "

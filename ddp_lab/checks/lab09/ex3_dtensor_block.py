@@ -27,8 +27,16 @@ import torch
 
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.failure import CheckFailed, is_close
-from ddp_lab.checks.lab09.common import DTYPES, PLAN_FILE, WATCHDOG_S, collectives, randn
+from ddp_lab.checks.failure import is_close
+from ddp_lab.checks.lab09.common import (
+    DTYPES,
+    PLAN_FILE,
+    WATCHDOG_S,
+    collectives,
+    judge_ranks,
+    randn,
+    whole,
+)
 from ddp_lab.checks.values import kind, randint
 from ddp_lab.gpt import Block, GPTConfig
 
@@ -70,11 +78,6 @@ def block(case: dict) -> Block:
     return Block(cfg).to(DTYPES[case["dtype"]])
 
 
-def _whole(t):
-    """A tensor as it is, a DTensor gathered."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
     """The student's split of the case's block on this rank: one forward, one backward."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -112,7 +115,7 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
         "y": y.detach().clone(),
         "x_grad": None if x.grad is None else x.grad.clone(),
         "grads": {
-            n: None if p.grad is None else _whole(p.grad).detach().clone()
+            n: None if p.grad is None else whole(p.grad).detach().clone()
             for n, p in model.named_parameters()
         },
         "weights": weights,
@@ -123,12 +126,12 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
 
 def oracle(case: dict) -> dict:
     """Autograd through the unsplit block."""
-    whole = block(case)
+    unsplit = block(case)
     x = case["x"].clone().requires_grad_(True)
-    y = whole(x)
+    y = unsplit(x)
     y.backward(case["grad_out"])
-    grads = {n: p.grad for n, p in whole.named_parameters()}
-    sizes = {n: whole.get_submodule(n).weight.numel() for n in LINEARS}
+    grads = {n: p.grad for n, p in unsplit.named_parameters()}
+    sizes = {n: unsplit.get_submodule(n).weight.numel() for n in LINEARS}
     return {"y": y.detach(), "x_grad": x.grad, "grads": grads, "sizes": sizes}
 
 
@@ -181,14 +184,7 @@ def rank_problem(case: dict, rank: int, got, want: dict) -> str | None:
 
 def judge(inputs: dict, outputs: dict) -> str:
     """Every rank of every case against the unsplit block, its shards and its all-reduces."""
-    cases = outputs.get("cases")
-    if not isinstance(cases, list) or len(cases) != len(inputs["cases"]):
-        raise CheckFailed("expected one result per case")
-    for case, ranks in zip(inputs["cases"], cases, strict=True):
-        want = oracle(case)
-        for rank, got in enumerate(ranks):
-            if why := rank_problem(case, rank, got, want):
-                raise CheckFailed(why)
+    judge_ranks(inputs, outputs, oracle, rank_problem)
     return (
         "parallelize_block splits every linear layer of the block over 3 and 2 ranks, equals "
         "the unsplit block forward and backward, with 2 all-reduces each way"

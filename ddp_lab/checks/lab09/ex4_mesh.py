@@ -7,10 +7,10 @@ function that splits one block over a 1-D mesh (the grader hands it
 :func:`ddp_lab.parallel.plans.plain_block_plan`, so that this exercise does not depend on
 exercise 3). It returns ``(mesh, model)``. Required, on every rank:
 
-- ``mesh`` is 2-D, of shape ``(n / tp, tp)`` and dimensions named ``("dp", "tp")``; this
-  rank's tensor group is ``tp`` neighbouring ranks (``r - r % tp`` to ``r - r % tp + tp -
-  1``: Megatron's order, one node's GPUs on a cluster) and its data group the ranks ``r %
-  tp``, ``r % tp + tp``, ... (the same tensor slice in every replica);
+- ``mesh`` is 2-D with dimensions named ``"dp"`` and ``"tp"`` (else the run stops with that
+  message); this rank's tensor group is ``tp`` neighbouring ranks (``r - r % tp`` to
+  ``r - r % tp + tp - 1``: Megatron's order, one node's GPUs on a cluster) and its data
+  group the ranks ``r % tp``, ``r % tp + tp``, ... (the same tensor slice in every replica);
 - every block is split over the tensor group and then sharded over the data group: each
   rank holds its data group's share of its tensor rank's rows of a block's query weight;
   the parameters outside the blocks are sharded over the data group (FSDP2);
@@ -31,10 +31,15 @@ import torch.distributed as dist
 
 from ddp_lab.checks import guards
 from ddp_lab.checks.contract import Exercise
-from ddp_lab.checks.failure import CheckFailed, is_close
-from ddp_lab.checks.lab09.common import MESH_FILE, WATCHDOG_S
+from ddp_lab.checks.lab09.common import (
+    MESH_FILE,
+    WATCHDOG_S,
+    gathered,
+    judge_ranks,
+    weights_problem,
+)
 from ddp_lab.checks.lab09.ex1_fsdp_bytes import rows
-from ddp_lab.checks.lab09.ex2_fsdp import adamw, loss_of, model
+from ddp_lab.checks.lab09.ex2_fsdp import adamw, loss_of, model, trained
 from ddp_lab.checks.values import kind, randint
 from ddp_lab.parallel.plans import plain_block_plan
 
@@ -105,10 +110,7 @@ def run_rank(ns: dict, inputs: dict, case: dict, rank: int, world: int) -> dict:
             loss_of(net, tokens[replica * share : (replica + 1) * share]).backward()
             optimizer.step()
             optimizer.zero_grad()
-        weights = {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in net.named_parameters()
-        }
+        weights = gathered(net)
     return {
         "shape": list(mesh.mesh.shape),
         "names": list(names),
@@ -131,12 +133,7 @@ def layout(world: int, tp: int, rank: int) -> dict:
 def oracle(case: dict) -> dict:
     """One process on the whole batch: the weights after ``k`` steps; every rank's groups and
     expected shards."""
-    net = model(case)
-    optimizer = adamw(case, net.parameters())
-    for tokens in case["tokens"]:
-        loss_of(net, tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    net = trained(case)
     n, tp, width, vocab = (
         case["world_size"],
         case["tp"],
@@ -173,7 +170,7 @@ def rank_problem(case: dict, rank: int, got, want: dict) -> str | None:
     what = f"parallelize_2d, {describe(case)}, rank {rank}"
     if not isinstance(got, dict) or "groups" not in got:
         return f"{what}: no result ({kind(got)})"
-    n, tp = case["world_size"], case["tp"]
+    tp = case["tp"]
     mine = want["ranks"][rank]
     for dim, label in (("tp", "tensor"), ("dp", "data")):
         if got["groups"][dim] != mine[dim]:
@@ -181,12 +178,6 @@ def rank_problem(case: dict, rank: int, got, want: dict) -> str | None:
                 f"{what}: this rank's {label} group should be {mine[dim]} (tensor groups of "
                 f"{tp} neighbouring ranks, Megatron's order); the mesh gives {got['groups'][dim]}"
             )
-    if got["names"] != ["dp", "tp"] or got["shape"] != [n // tp, tp]:
-        return (
-            f"{what}: the mesh should be {n // tp} x {tp} with dimensions ('dp', 'tp'), the "
-            f"tensor dimension last; got {' x '.join(map(str, got['shape']))} named "
-            f"{tuple(got['names'])}"
-        )
     for name, expected in mine["local"].items():
         if got["local"][name] != expected:
             how = (
@@ -198,30 +189,12 @@ def rank_problem(case: dict, rank: int, got, want: dict) -> str | None:
                 f"{what}: this rank should hold {expected} numbers of {name} ({how}); it holds "
                 f"{got['local'][name]}"
             )
-    atol, rtol = TOL[case["dtype"]]
-    for name, expected in want["weights"].items():
-        value = got["weights"].get(name)
-        if not isinstance(value, torch.Tensor) or value.shape != expected.shape:
-            return f"{what}: no weight {name!r} of shape {tuple(expected.shape)} after training"
-        if not is_close(value, expected, atol, rtol):
-            diff = (value.double() - expected.double()).abs().max().item()
-            return (
-                f"{what}: after {STEPS} steps {name} differs from one process trained on the "
-                f"whole batch (largest difference {diff:.2e})"
-            )
-    return None
+    return weights_problem(what, got["weights"], want["weights"], TOL[case["dtype"]], STEPS)
 
 
 def judge(inputs: dict, outputs: dict) -> str:
     """Every rank of every case: its mesh, groups, shards and trained weights."""
-    cases = outputs.get("cases")
-    if not isinstance(cases, list) or len(cases) != len(inputs["cases"]):
-        raise CheckFailed("expected one result per case")
-    for case, ranks in zip(inputs["cases"], cases, strict=True):
-        want = oracle(case)
-        for rank, got in enumerate(ranks):
-            if why := rank_problem(case, rank, got, want):
-                raise CheckFailed(why)
+    judge_ranks(inputs, outputs, oracle, rank_problem)
     return (
         "parallelize_2d lays the ranks out as Megatron does (tensor groups of neighbours), "
         "splits every block over its tensor group and shards over its data group, and trains "
