@@ -24,6 +24,7 @@ import pytest
 import torch
 from _harness import GradedLab, assert_verdicts, lab_notebook, saved
 
+from ddp_lab.answers.lab07 import references as lab07_ref
 from ddp_lab.answers.lab09 import MISTAKES, MORE_MISTAKES
 from ddp_lab.answers.lab09 import references as ref
 from ddp_lab.checks import lab09 as checks
@@ -196,7 +197,9 @@ def test_the_reference_files_are_the_solutions_code():
 # --- the notebook's demonstrations ------------------------------------------------------------
 
 
-def _demo(cell_id: str, tmp_path, nproc: int, extra: dict | None = None) -> dict:
+def _demo(
+    cell_id: str, tmp_path, nproc: int, extra: dict | None = None, args: list | None = None
+) -> dict:
     """Run the file a notebook's ``%%writefile`` demonstration cell writes."""
     cell = next(c for c in lab_notebook(LAB)["cells"] if c["id"] == cell_id)
     text = "".join(cell["source"])
@@ -204,7 +207,9 @@ def _demo(cell_id: str, tmp_path, nproc: int, extra: dict | None = None) -> dict
     (tmp_path / name).write_text(text.split("\n", 1)[1])
     for file, source in (extra or {}).items():
         (tmp_path / file).write_text(source)
-    return torchrun(name, nproc=nproc, timeout=240, cwd=str(tmp_path), stream=False).result
+    return torchrun(
+        name, args or [], nproc=nproc, timeout=240, cwd=str(tmp_path), stream=False
+    ).result
 
 
 def _text() -> str:
@@ -249,12 +254,18 @@ def test_per_block_units_gather_2l_plus_1_times_and_hold_one_block_at_a_time(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_plain_dtensor_plan_equals_the_unsplit_block_with_2_and_4_all_reduces(tmp_path):
-    """Section 3's demonstration on 2 gloo ranks: the plain plan equals the unsplit block
-    (float64), 2 all-reduces forward, 4 backward (exercise 3 asks for 2)."""
-    res = _demo("dtensor_script", tmp_path, 2)
-    assert (res["forward"], res["backward"]) == (2, 4)
-    assert res["output"] < 1e-12 and res["input_grad"] < 1e-12
+    """Section 3's demonstration on 2 gloo ranks, with lab 7's reference tp.py next door: the
+    plain plan and the block built from lab 7's layers equal the unsplit block (float64), 2
+    all-reduces forward, 4 backward (exercise 3 asks for 2)."""
+    lab7 = tmp_path / "lab07" / "tp.py"
+    lab7.parent.mkdir()
+    lab7.write_text(lab07_ref.FILES["tp.py"])
+    res = _demo("dtensor_script", tmp_path, 2, args=[str(lab7)])
+    counts = {r["version"]: (r["forward"], r["backward"]) for r in res["rows"]}
+    assert counts == {"DTensor plan": (2, 4), "your lab 7 tp.py": (2, 4)}
+    assert all(r["output"] < 1e-12 and r["input_grad"] < 1e-12 for r in res["rows"])
     assert res["q"][1:] == [[48, 48], [24, 48]]
+    assert [r["version"] for r in _demo("dtensor_script", tmp_path, 2)["rows"]] == ["DTensor plan"]
 
 
 @pytest.mark.slow
