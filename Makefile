@@ -37,7 +37,7 @@ install: $(STAMP)  ## build .venv from the pins (quick when nothing changed)
 # that leave a core idle. A lab's tests share a worker (tests/conftest.py). TEST_WORKERS=0 (or
 # `.venv/bin/python -m pytest ...`) runs them one by one in one process.
 TEST_WORKERS ?= 2
-PYTEST_ARGS := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_ARGS := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)

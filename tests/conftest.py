@@ -33,13 +33,20 @@ def trainer(tmp_path):
     return run
 
 
-# `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup). A test file keeps
-# its tests on one worker, in order (its module fixtures are built once); a lab's test files
-# and its grader rounds in test_mistakes form one group; each lab's sample-class autograde is
-# a group of its own. Tests that look for leftover processes look for their own tmp folder
-# (_harness.own_tmpdir), never for a name that a test beside them may run. The longest tests
-# come first in the collection; but xdist's --loadscope-reorder (its default) sorts the groups
-# by their number of tests, so the one-test sample-class groups run last (measured on a2740d0).
+# `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup
+# --no-loadscope-reorder). A test file keeps its tests on one worker, in order (its module
+# fixtures are built once); a lab's test files and its grader rounds in test_mistakes form one
+# group; each lab's sample-class autograde is a group of its own. Tests that look for leftover
+# processes look for their own tmp folder (_harness.own_tmpdir), never for a name that a test
+# beside them may run.
+#
+# The groups are handed out in the order of the collection, the longest first, so that the
+# last ones are short and both workers finish together: the tests below (a few minutes each)
+# and the groups they pull forward, then the other groups by their weight (a slow test counts
+# 30, any other 1). A worker takes its next group while it still has up to 2 tests to run, so
+# long one-test groups at the end would queue behind each other on one worker: measured in CI
+# of a2740d0, where xdist's default --loadscope-reorder (by number of tests) put all nine
+# sample-class autogrades last.
 _FIRST = (
     "test_grading.py::test_autograde_scores_the_sample_class",
     "test_mistakes.py::test_mistakes_fail_their_own_exercises_in_the_grader",
@@ -64,6 +71,13 @@ def _group(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    groups = {item: _group(item) for item in items}
+    first = {groups[i] for i in items if any(f in i.nodeid for f in _FIRST)}
+    weight: dict[str, int] = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda i: not any(f in i.nodeid for f in _FIRST))  # stable: order kept
+        slow = item.get_closest_marker("slow") is not None
+        weight[groups[item]] = weight.get(groups[item], 0) + (30 if slow else 1)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # stable: a group's tests keep their order
+    items.sort(key=lambda i: (groups[i] not in first, -weight[groups[i]], groups[i]))
