@@ -280,14 +280,26 @@ def test_autograde_scores_the_sample_class(released, lab, tmp_path):
             )
             assert hit[kind] in out, (kind, out[-600:])
     # the cheater's edited test cells were restored from the source before grading
-    cheated = load(course / "grading" / "autograded" / "cheat" / lab / f"{lab}.ipynb")
-    source = {
-        nbgrader_meta(c)["grade_id"]: source_of(c) for c in _cells("solutions", lab) if is_test(c)
-    }
-    for cell in cheated["cells"]:
-        if is_test(cell):
-            assert source_of(cell) == source[nbgrader_meta(cell)["grade_id"]]
+    if sample_class.submits("cheat", lab):
+        cheated = load(course / "grading" / "autograded" / "cheat" / lab / f"{lab}.ipynb")
+        source = {
+            nbgrader_meta(c)["grade_id"]: source_of(c)
+            for c in _cells("solutions", lab)
+            if is_test(c)
+        }
+        for cell in cheated["cells"]:
+            if is_test(cell):
+                assert source_of(cell) == source[nbgrader_meta(cell)["grade_id"]]
     assert not leftover_processes(str(course)), "a process of the grading run survived"
+
+
+def test_every_lab_whose_cheat_forges_files_is_graded_with_the_cheat():
+    """The sample class's cheat grades CHEAT_LABS only; a lab whose cheat forges result files
+    must be one of them (or its forged files are never graded)."""
+    forging = [lab for lab in LABS if sample_class.forged_files_of(lab)]
+    assert forging, "no lab forges files: the cheat's forged files are tested nowhere"
+    assert set(forging) <= set(sample_class.CHEAT_LABS), forging
+    assert set(sample_class.CHEAT_LABS) <= set(LABS), sample_class.CHEAT_LABS
 
 
 @pytest.mark.slow

@@ -22,10 +22,10 @@ Students (one folder each, every lab in ``labs/``):
   exercise also allocates twice the memory limit, starts processes in a loop (at most a few
   thousand), or writes a file twice the size limit (``ddp_lab.grading.limits``): each loses
   that exercise's points with a clear message, and nobody else loses anything;
-- ``cheat``: the release with no-op stubs that try to copy the instructor's answers from
-  ``solutions/`` at run time, a cell that monkeypatches every comparison and every public
-  check function, test cells edited to print success, and result files forged where the
-  lab writes any.
+- ``cheat`` (``CHEAT_LABS`` only): the release with no-op stubs that try to copy the
+  instructor's answers from ``solutions/`` at run time, a cell that monkeypatches every
+  comparison and every public check function, test cells edited to print success, and
+  result files forged where the lab writes any.
 
 ``expected_scores(lab)`` says what each student must score.
 """
@@ -81,8 +81,20 @@ HOSTILE = {
             f.write(b"x" * 2**20)""",
     ),
 }
+# The cheat submits these labs only: functions the grader runs in one process (lab 1), files
+# that every rank runs (labs 2 and 3), and the labs whose cheat forges result files (2 and
+# 3, ``FORGED_FILES``; tests/test_grading.py requires every such lab here). The rest of what
+# it tries (the solutions read at run time, comparisons and checks monkeypatched in the
+# kernel, test cells edited) meets the same sandbox, the same out-of-kernel verdicts and the
+# same restored test cells in every lab; labs 4-9 cost about a minute of CI each to show it
+# again.
+CHEAT_LABS = ("lab01_data_parallel", "lab02_collectives", "lab03_ddp")
 #: Students who submit only some labs.
-ONLY_IN = {"hang": HANG_LABS, **dict.fromkeys(HOSTILE, HOSTILE_LABS)}
+ONLY_IN = {
+    "hang": HANG_LABS,
+    "cheat": CHEAT_LABS,
+    **dict.fromkeys(HOSTILE, HOSTILE_LABS),
+}
 
 
 def submits(student: str, lab: str) -> bool:
