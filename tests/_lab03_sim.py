@@ -1,7 +1,7 @@
 """What lab 3's distributed exercises report on every rank, simulated in one process.
 
 The property tests of ``tests/test_lab03.py`` feed the grader's judges with these outputs
-over 200 draws: the right answer, and each typical mistake made on purpose. Each function
+over 100 draws: the right answer, and each typical mistake made on purpose. Each function
 takes the exercise's inputs (one torchrun job of ``world_size`` ranks, its ``runs`` over 2
 or 3 of them) and returns ``{"cases": [[rank 0's outputs, rank 1's, ...]]}`` in the shape
 the exercise's ``run_rank`` gives.

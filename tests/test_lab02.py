@@ -48,7 +48,7 @@ SOLUTIONS = solution_sources(LAB)
 RELEASED = released_sources(LAB)
 RING, SERVER = "test_ex1_ring_all_reduce", "test_ex2_parameter_server"
 STALE, MODEL = "test_ex3_stale_server", "test_ex4_cost_model"
-PROPERTY_SEEDS = range(200)
+PROPERTY_SEEDS = range(100)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -356,7 +356,7 @@ def test_ring_judge_rejects_malformed_outputs():
 
 
 def test_property_ring_verdicts_do_not_depend_on_the_draw():
-    """200 draws: the simulated ring passes the grader's full judge and the kit's, and each
+    """100 draws: the simulated ring passes the grader's full judge and the kit's, and each
     mistake fails both (the wrong neighbour and the whole tensors only by their traffic)."""
     for seed in PROPERTY_SEEDS:
         inputs = _inputs(RING, seed)
@@ -371,7 +371,7 @@ def test_property_ring_verdicts_do_not_depend_on_the_draw():
 
 @pytest.mark.parametrize("gid, wrongs", [(SERVER, SERVER_WRONGS), (STALE, STALE_WRONGS)])
 def test_property_server_verdicts_do_not_depend_on_the_draw(gid, wrongs):
-    """200 draws: the simulated protocol passes the full judge; each mistake fails it with
+    """100 draws: the simulated protocol passes the full judge; each mistake fails it with
     its own diagnosis (never pulled, the sum, n instead of n - 1, off by one, no staleness)."""
     judge = _full(gid)
     for seed in PROPERTY_SEEDS:
@@ -423,7 +423,7 @@ MODEL_MISTAKES.pop("imports the answer")
 
 
 def test_property_model_verdicts_do_not_depend_on_the_draw():
-    """200 draws of the grader's inputs: the solution passes the full judge, each mistake
+    """100 draws of the grader's inputs: the solution passes the full judge, each mistake
     fails it with its own diagnosis (``run`` in this process)."""
     judge = _full(MODEL)
     solution = SOLUTIONS["ex4_cost_model"]

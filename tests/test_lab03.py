@@ -2,7 +2,7 @@
 
 The judges are the grader's (``full_judge``: the kit's oracle judge, then the instructor's
 exact checks and diagnoses). Fast tests feed them outputs computed in this process, over
-200 draws of the fixed case sets; the slow ones run the references and the mistakes beyond
+100 draws of the fixed case sets; the slow ones run the references and the mistakes beyond
 the grader's rounds on real gloo groups (3 ranks, runs on 2 and 3 of them) through the
 exercises' own ``run_rank``, and the notebook's visible checks under torchrun. The typical
 mistakes of ``ddp_lab/answers/lab03/mistakes.py`` are graded for real, outside any kernel,
@@ -39,7 +39,10 @@ from ddp_lab.checks.failure import CheckFailed
 from ddp_lab.checks.lab03 import ex1_shard_sampler, ex5_bucketed_ddp, ex6_warmup_steps
 from ddp_lab.checks.runner import split_magics
 
-PROPERTY_SEEDS = range(200)
+#: Draws whose inputs are checked for every edge case (cheap: nothing is run).
+SEEDS = range(200)
+#: Draws fed to the judges (outputs simulated in this process, right and wrong).
+PROPERTY_SEEDS = range(100)
 
 
 def _fails_with(grade_id: str, inputs: dict, outputs: dict, reason: str, kit: bool = False):
@@ -71,7 +74,7 @@ def _inputs(grade_id: str, seed: int) -> dict:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cell", ["ex1_shard_sampler", "ex6_warmup_steps"])
 def test_property_pure_function_verdicts_do_not_depend_on_the_draw(cell, tmp_path):
-    """200 draws: the solution passes the grader's judge; every mistake of the exercise fails
+    """100 draws: the solution passes the grader's judge; every mistake of the exercise fails
     it, with its own diagnosis."""
     gid = f"test_{cell}"
     ex, judge = EXERCISES[gid], judge_of(gid)
@@ -173,7 +176,7 @@ TRAIN_WRONGS = {
 
 @pytest.mark.timeout(300)
 def test_property_train_verdict_does_not_depend_on_the_draw():
-    """200 draws: simulated DDP passes; each mistake changes what the ranks read or what
+    """100 draws: simulated DDP passes; each mistake changes what the ranks read or what
     setup() says, whatever the draw, and fails with its diagnosis."""
     gid = "test_ex2_ddp_train"
     judge = judge_of(gid)
@@ -271,7 +274,7 @@ OWN_DDP_WRONGS = {
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("number", ["4", "5"])
 def test_property_own_ddp_verdicts_do_not_depend_on_the_draw(number):
-    """200 draws: simulated right wrappers pass; each typical mistake fails with its
+    """100 draws: simulated right wrappers pass; each typical mistake fails with its
     diagnosis (the kit's judge fails them too)."""
     gid = {"4": "test_ex4_my_ddp", "5": "test_ex5_bucketed_ddp"}[number]
     judge = judge_of(gid)
@@ -289,7 +292,7 @@ def test_property_own_ddp_verdicts_do_not_depend_on_the_draw(number):
 
 
 def test_every_draw_holds_every_edge_case():
-    for seed in PROPERTY_SEEDS:
+    for seed in SEEDS:
         cases = _inputs("test_ex1_shard_sampler", seed)["cases"]
         assert {c["world_size"] for c in cases} == {2, 3, 4}
         assert any(c["n"] == 1 and c["drop_last"] for c in cases)

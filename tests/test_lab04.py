@@ -2,7 +2,7 @@
 
 The judges are tested directly on outputs simulated for every rank in this process (fast, no
 process), with the grader's full judge (the kit's oracle judge plus
-``ddp_lab.answers.lab04.HIDDEN``), over 200 draws of the fixed case set: the right outputs
+``ddp_lab.answers.lab04.HIDDEN``), over 100 draws of the fixed case set: the right outputs
 pass, each mistake fails with its own diagnosis. The visible checks run through the real
 runner (torchrun on 2 ranks); the runs over 2 and 3 ranks of one job through a 3-process
 gloo group; and the grader itself (``judge_notebook``) where only it can tell: a deadlock,
@@ -303,12 +303,12 @@ def _fails_with(judge, inputs: dict, outputs: dict, reason: str, seed: int, name
 
 # ------------------------------------------------------------ property: any draw, any seed
 
-PROPERTY_SEEDS = range(200)
+PROPERTY_SEEDS = range(100)
 
 
 @pytest.mark.parametrize("grade_id", GIDS)
 def test_property_verdicts_do_not_depend_on_the_draw(grade_id):
-    """200 draws of the fixed case set: every rank's right outputs (simulated here) pass the
+    """100 draws of the fixed case set: every rank's right outputs (simulated here) pass the
     grader's full judge; each typical mistake fails it, with its own diagnosis."""
     judge = _judge(grade_id)
     for seed in PROPERTY_SEEDS:

@@ -3,7 +3,7 @@ facts they rest on.
 
 - the case sets cover every edge case in every draw (200 seeds, inputs only);
 - exercise 1's judge (kit oracle + the grader's hidden part) accepts the reference and names
-  every typical mistake, over 200 draws, without student processes;
+  every typical mistake, over 100 draws, without student processes;
 - on the grader's path (``run_ranks``: one torchrun job per case), the mistakes that the
   grader's rounds (``tests/test_mistakes.py``) leave out fail their exercise with their
   reasons; the visible checks pass the notebook's solution files under torchrun;
@@ -36,7 +36,10 @@ from ddp_lab.launch import torchrun
 from ddp_lab.parallel import hybrid
 
 LAB = checks.LAB
+#: Draws whose inputs are checked for every edge case (cheap: nothing is run).
 SEEDS = range(200)
+#: Draws fed to the judges (outputs built in this process, right and wrong).
+PROPERTY_SEEDS = range(100)
 GRADED = GradedLab(LAB)
 SOURCES, EXERCISES = GRADED.sources, GRADED.exercises
 _judge, _inputs = GRADED.judge, GRADED.inputs
@@ -100,7 +103,7 @@ def test_fsdp_bytes_judge_accepts_the_reference_and_names_every_mistake_every_dr
     spaces = {m.name: namespace({m.cell: m.source}, [m.cell]) for m in mistakes}
     judge = _judge(gid)
     solution = namespace(SOURCES, ["ex1_fsdp_bytes"])
-    for seed in SEEDS:
+    for seed in PROPERTY_SEEDS:
         inputs = _inputs(gid, seed)
         right = saved(ex1.run({"fsdp_bytes": ref.fsdp_bytes}, inputs, None))
         assert_verdicts(judge, seed, inputs, right, {})
