@@ -7,6 +7,7 @@
   (:func:`notebook_with`);
 - processes: what is left alive that mentions a marker (:func:`leftover_processes`,
   :func:`new_leftovers`), a test's own temporary folder as that marker (:func:`own_tmpdir`);
+  Jupyter's stop button pressed once some files exist (:func:`stop_button`);
 - gloo groups joined through a ``file://`` store, no port (:func:`spawn_gloo`,
   :func:`join_gloo`);
 - one lab's graded pieces for its test file: the full judge, inputs of a draw, a mistake
@@ -16,6 +17,8 @@
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import copy
 import datetime
 import importlib
@@ -24,7 +27,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -241,6 +246,44 @@ def leftover_processes(marker: str) -> list[str]:
         if state != "Z" and (marker in cmd or marker in cwd) and int(pid) != os.getpid():
             found.append(f"{pid}: {cmd[:200]} (in {cwd})")
     return found
+
+
+def wait_for_files(paths: list[Path], seconds: float) -> bool:
+    """True once every file of ``paths`` exists; False after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(p.exists() for p in paths):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@contextlib.contextmanager
+def stop_button(paths: list[Path], within: float, delay: float = 0.5) -> Iterator[list[bool]]:
+    """Press Jupyter's stop button (SIGINT to the kernel's main thread, here
+    ``_thread.interrupt_main``) ``delay`` seconds after every file of ``paths`` exists, if
+    that happens within ``within`` seconds and before the block ends. Yields a list that holds
+    True once pressed.
+
+    Inside the block SIGINT has Python's own handler, as in a kernel, whatever an earlier test
+    in this worker left: ``interrupt_main`` does nothing while SIGINT is ignored or at its
+    default, and the interrupt is then silently lost (the launch test's timeouts in two CI
+    runs)."""
+    pressed: list[bool] = []
+    done = threading.Event()
+
+    def press() -> None:
+        if wait_for_files(paths, within) and not done.wait(delay):
+            pressed.append(True)
+            _thread.interrupt_main()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=press, daemon=True).start()
+        yield pressed
+    finally:
+        done.set()
+        signal.signal(signal.SIGINT, previous)
 
 
 def own_tmpdir(monkeypatch, path: Path) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 
 # Set before torch is imported by any test: 2 cores, several processes per test.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,6 +33,19 @@ def trainer(tmp_path):
         return proc, out
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found(request):
+    """A test that leaves SIGINT's handler changed is named in a warning and the handler put
+    back: the next test in this worker may press the stop button (``_harness.stop_button``),
+    and an ignored or default SIGINT loses that press."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before and before is not None:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler at {after!r}", stacklevel=1)
 
 
 # `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup

@@ -6,7 +6,6 @@ others check the pieces (log following, the live view, messages) without startin
 
 from __future__ import annotations
 
-import _thread
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _harness import stop_button
 
 from ddp_lab import proctree
 from ddp_lab.launch import (
@@ -135,15 +135,6 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def _wait_for_files(paths: list[Path], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if all(p.exists() for p in paths):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 # --- real launches ------------------------------------------------------------------------
 
 
@@ -243,16 +234,15 @@ def test_keyboard_interrupt_kills_everything_and_reraises(tmp_path):
     script = _script(tmp_path, HANGS)
     pid_files = [tmp_path / f"pid{rank}" for rank in range(2)]
 
-    def press_stop() -> None:  # Jupyter's stop button: SIGINT to the kernel's main thread
-        if _wait_for_files(pid_files, 140):
-            time.sleep(1.0)
-            _thread.interrupt_main()
-
-    threading.Thread(target=press_stop, daemon=True).start()
-    # the launch's own timeout is only a net: beside another test's 4-rank job the two ranks
-    # once took over 40 s to start (CI of 0d4c637), and the timeout came before the stop
-    with pytest.raises(KeyboardInterrupt):
-        torchrun(str(script), [str(tmp_path)], nproc=2, timeout=150, stream=False)
+    # the launch's own timeout is only a net, long: beside other tests' jobs ranks can take
+    # tens of seconds to start
+    with stop_button(pid_files, within=140, delay=1.0) as pressed:
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                torchrun(str(script), [str(tmp_path)], nproc=2, timeout=150, stream=False)
+            except LaunchTimeout as err:
+                why = "pressed" if pressed else "the ranks' pid files did not appear"
+                pytest.fail(f"no KeyboardInterrupt ({why}): {err}")
 
     pids = [int(p.read_text()) for p in pid_files]
     assert all(_gone(pid) for pid in pids), pids

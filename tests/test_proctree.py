@@ -6,18 +6,16 @@ grace period take a few seconds.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from _harness import stop_button
 
 from ddp_lab import proctree
 from ddp_lab.proctree import ProcessTree, TreeRun, process_table, run
@@ -85,15 +83,6 @@ def _pids_and_sids(folder: Path) -> list[tuple[int, int]]:
 def _running(pid: int) -> bool:
     """True while ``pid`` is a live process (an unreaped zombie counts as gone)."""
     return pid in process_table()
-
-
-def _wait_for_files(paths: list[Path], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if all(p.exists() for p in paths):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.timeout(30)
@@ -164,27 +153,13 @@ def test_output_larger_than_the_pipe_buffer_does_not_deadlock():
 def test_keyboard_interrupt_kills_the_tree_and_reraises(tmp_path):
     script = _script(tmp_path, HANGS_WITH_SETSID_GRANDCHILD)
 
-    pressed = []
-
-    def press_stop() -> None:  # Jupyter's stop button: SIGINT to the kernel's main thread
-        if _wait_for_files([tmp_path / f"{role}.pid" for role in ROLES], 20):
-            time.sleep(0.5)
-            pressed.append(True)
-            _thread.interrupt_main()
-
-    # a kernel's handler, whatever a test before this one in the worker left (interrupt_main
-    # does nothing while SIGINT is ignored or at its default)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        threading.Thread(target=press_stop, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            run([PY, str(script), "root", str(tmp_path)], timeout=25, grace=1.0)
-            pytest.fail(
-                "run() returned without the interrupt: "
-                + ("it was pressed" if pressed else "the pid files did not appear within 20 s")
-            )
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    pid_files = [tmp_path / f"{role}.pid" for role in ROLES]
+    with stop_button(pid_files, within=20) as pressed, pytest.raises(KeyboardInterrupt):
+        run([PY, str(script), "root", str(tmp_path)], timeout=25, grace=1.0)
+        pytest.fail(
+            "run() returned without the interrupt: "
+            + ("it was pressed" if pressed else "the pid files did not appear within 20 s")
+        )
 
     assert not any(_running(pid) for pid, _ in _pids_and_sids(tmp_path))
 
