@@ -35,17 +35,21 @@ def trainer(tmp_path):
     return run
 
 
+_LAST_TEST = ["none (the first test of this worker)"]
+
+
 @pytest.fixture(autouse=True)
-def _sigint_left_as_found(request):
-    """A test that leaves SIGINT's handler changed is named in a warning and the handler put
-    back: the next test in this worker may press the stop button (``_harness.stop_button``),
-    and an ignored or default SIGINT loses that press."""
-    before = signal.getsignal(signal.SIGINT)
+def _sigint_as_python_sets_it(request):
+    """Every test starts with Python's own SIGINT handler, as a fresh worker does: a test may
+    press the stop button (``_harness.stop_button``), and an ignored, default or stray
+    handler loses the press. A handler left by a test or a fixture before is put back, and
+    named in a warning with the test that ran last."""
+    found = signal.getsignal(signal.SIGINT)
+    if found is not signal.default_int_handler and found is not None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"SIGINT's handler was {found!r} after {_LAST_TEST[0]}", stacklevel=1)
     yield
-    after = signal.getsignal(signal.SIGINT)
-    if after is not before and before is not None:
-        signal.signal(signal.SIGINT, before)
-        warnings.warn(f"{request.node.nodeid} left SIGINT's handler at {after!r}", stacklevel=1)
+    _LAST_TEST[0] = request.node.nodeid
 
 
 # `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup

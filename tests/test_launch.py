@@ -234,8 +234,7 @@ def test_keyboard_interrupt_kills_everything_and_reraises(tmp_path):
     script = _script(tmp_path, HANGS)
     pid_files = [tmp_path / f"pid{rank}" for rank in range(2)]
 
-    # the launch's own timeout is only a net, long: beside other tests' jobs ranks can take
-    # tens of seconds to start
+    # the launch's own timeout is only a net, long enough for ranks started beside other jobs
     with stop_button(pid_files, within=140, delay=1.0) as pressed:
         with pytest.raises(KeyboardInterrupt):
             try:
